@@ -1,0 +1,3 @@
+module github.com/kvtier/kvtier/ctl
+
+go 1.26

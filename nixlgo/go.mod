@@ -1,0 +1,3 @@
+module github.com/kvtier/kvtier/nixlgo
+
+go 1.26

@@ -1,0 +1,117 @@
+package offload
+
+import (
+	"fmt"
+	"os"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// ArenaOptions say how the CPU arena's memory is prepared.
+type ArenaOptions struct {
+	// Lock asks for the arena to be locked in RAM (mlock). Failure, for
+	// example from a small RLIMIT_MEMLOCK, is reported in Arena.LockErr and
+	// is not fatal (S1.2).
+	Lock bool
+	// HugePages asks for transparent huge pages (madvise MADV_HUGEPAGE).
+	// Failure is reported in Arena.HugePagesErr and is not fatal.
+	HugePages bool
+}
+
+// Arena is the CPU tier's memory: N equal slots in one anonymous mapping
+// outside the Go heap, so its address can be registered for GPU or NIXL
+// access and handed to asynchronous copies. The slot stride is a multiple
+// of the page size.
+type Arena struct {
+	mem        []byte
+	stride     int
+	slots      int
+	slotBytes  int
+	lockWanted bool
+
+	// LockedBytes is how many bytes mlock actually locked (0 or Len()).
+	LockedBytes int64
+	// LockErr is why mlock failed, when Lock was asked for.
+	LockErr error
+	// HugePagesErr is why madvise(MADV_HUGEPAGE) failed, when asked for.
+	HugePagesErr error
+}
+
+// NewArena maps slots slots of at least slotBytes bytes each.
+func NewArena(slots, slotBytes int, opt ArenaOptions) (*Arena, error) {
+	if slots <= 0 || slotBytes <= 0 {
+		return nil, fmt.Errorf("offload: arena of %d slots × %d bytes: both must be positive", slots, slotBytes)
+	}
+	page := os.Getpagesize()
+	stride := (slotBytes + page - 1) / page * page
+	if int64(slots) > (1<<46)/int64(stride) {
+		return nil, fmt.Errorf("offload: arena of %d slots × %d bytes is too large", slots, stride)
+	}
+	mem, err := unix.Mmap(-1, 0, slots*stride, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	if err != nil {
+		return nil, fmt.Errorf("offload: mmap of %d bytes for the CPU arena: %w", slots*stride, err)
+	}
+	a := &Arena{mem: mem, stride: stride, slots: slots, slotBytes: slotBytes, lockWanted: opt.Lock}
+	if opt.HugePages {
+		if err := unix.Madvise(mem, unix.MADV_HUGEPAGE); err != nil {
+			a.HugePagesErr = fmt.Errorf("madvise(MADV_HUGEPAGE): %w", err)
+		}
+	}
+	if opt.Lock {
+		if err := unix.Mlock(mem); err != nil {
+			a.LockErr = fmt.Errorf("mlock of %d bytes: %w (raise RLIMIT_MEMLOCK, ulimit -l, to lock the arena)", len(mem), err)
+		} else {
+			a.LockedBytes = int64(len(mem))
+		}
+	}
+	return a, nil
+}
+
+// Slots is the number of slots.
+func (a *Arena) Slots() int { return a.slots }
+
+// Stride is the distance in bytes between the starts of two slots.
+func (a *Arena) Stride() int { return a.stride }
+
+// SlotBytes is the number of bytes of a slot that hold a block.
+func (a *Arena) SlotBytes() int { return a.slotBytes }
+
+// Len is the size of the mapping in bytes.
+func (a *Arena) Len() int { return len(a.mem) }
+
+// RequestedLockBytes is how many bytes were asked to be locked.
+func (a *Arena) RequestedLockBytes() int64 {
+	if a.lockWanted {
+		return int64(len(a.mem))
+	}
+	return 0
+}
+
+// Base is the address of the first slot, for registering the arena with a
+// GPU driver or NIXL. The memory is not on the Go heap and stays mapped
+// until Close.
+func (a *Arena) Base() uintptr { return uintptr(unsafe.Pointer(unsafe.SliceData(a.mem))) }
+
+// Slot returns the block bytes of slot i (SlotBytes long).
+func (a *Arena) Slot(i int) []byte {
+	off := i * a.stride
+	return a.mem[off : off+a.slotBytes : off+a.slotBytes]
+}
+
+// Bytes returns the whole mapping.
+func (a *Arena) Bytes() []byte { return a.mem }
+
+// Close unmaps the arena. It is idempotent. No slot slice may be used
+// afterwards.
+func (a *Arena) Close() error {
+	if a.mem == nil {
+		return nil
+	}
+	mem := a.mem
+	a.mem = nil
+	if err := unix.Munmap(mem); err != nil {
+		return fmt.Errorf("offload: munmap of the CPU arena: %w", err)
+	}
+	return nil
+}

@@ -1,0 +1,340 @@
+package offload
+
+import (
+	"cmp"
+	"fmt"
+	"slices"
+	"time"
+)
+
+// Result is the answer to a lookup.
+type Result uint8
+
+const (
+	// Miss: no tier has the block, or it cannot be brought in.
+	Miss Result = iota
+	// Hit: the block is ready in the CPU tier and may be loaded this step.
+	Hit
+	// HitPending: the block is being written into the CPU tier (a store or
+	// a promotion); ask again after progress.
+	HitPending
+	// Retry: a secondary tier is still finding out; ask again after progress.
+	Retry
+)
+
+var resultNames = [...]string{"miss", "hit", "hit_pending", "retry"}
+
+func (r Result) String() string {
+	if int(r) < len(resultNames) {
+		return resultNames[r]
+	}
+	return fmt.Sprintf("Result(%d)", r)
+}
+
+// Owner names who holds a pin or a write on a CPU slot: a request (Req) or a
+// transfer job (Job). Exactly one of the two is set.
+type Owner struct {
+	Req string
+	Job uint64
+}
+
+// RequestOwner is the owner for request id.
+func RequestOwner(id string) Owner { return Owner{Req: id} }
+
+// JobOwner is the owner for job id.
+func JobOwner(id uint64) Owner { return Owner{Job: id} }
+
+func (o Owner) String() string {
+	if o.Req != "" {
+		return "request " + o.Req
+	}
+	return fmt.Sprintf("job %d", o.Job)
+}
+
+// Event reports keys that a tier stored or removed (S2.8).
+type Event struct {
+	Tier    string
+	Keys    []Key
+	Removed bool
+}
+
+// PinInfo is one line of a pin audit (S1.3).
+type PinInfo struct {
+	Key   Key
+	Slot  int
+	Owner Owner
+	Age   time.Duration
+}
+
+type pin struct {
+	owner Owner
+	since time.Time
+}
+
+type cpuEntry struct {
+	slot    int32
+	writing bool
+	writer  Owner     // while writing
+	since   time.Time // when the write was reserved
+	pins    []pin
+}
+
+// CPUTier is the primary tier: which key lives in which arena slot and in
+// which state (S1.2). A slot is writing (not readable), ready (readable and
+// evictable when unpinned) or pinned (ready, with readers). It is not safe
+// for concurrent use: the manager calls it with its lock held.
+type CPUTier struct {
+	arena   *Arena
+	policy  Policy
+	entries map[Key]*cpuEntry
+	fresh   int32   // slots [fresh, N) have never been used
+	free    []int32 // freed slots, reused last in first out
+	events  []Event
+
+	writing, pinned int
+	evictions       uint64
+	forcedReleases  uint64
+	storedBytes     uint64
+}
+
+// NewCPUTier returns an empty CPU tier over arena using policy.
+func NewCPUTier(arena *Arena, policy Policy) *CPUTier {
+	return &CPUTier{arena: arena, policy: policy, entries: make(map[Key]*cpuEntry)}
+}
+
+// Arena returns the tier's memory.
+func (c *CPUTier) Arena() *Arena { return c.arena }
+
+// Lookup answers Hit for a ready key, HitPending for a key being written
+// and Miss otherwise. It never answers Retry.
+func (c *CPUTier) Lookup(k Key) Result {
+	e, ok := c.entries[k]
+	switch {
+	case !ok:
+		return Miss
+	case e.writing:
+		return HitPending
+	}
+	return Hit
+}
+
+// Slot returns the slot holding k, or -1.
+func (c *CPUTier) Slot(k Key) int {
+	if e, ok := c.entries[k]; ok {
+		return int(e.slot)
+	}
+	return -1
+}
+
+func (c *CPUTier) freeSlots() int { return c.arena.Slots() - len(c.entries) }
+
+// Reserve allocates slots in the writing state, owned by writer, for the
+// keys of keys that are not resident, evicting ready unpinned blocks when
+// the free slots do not suffice. No key of keys is evicted. It returns the
+// new keys with their slots in input order and the evicted keys, or
+// ok=false and changes nothing when not enough blocks can be evicted.
+func (c *CPUTier) Reserve(keys []Key, writer Owner) (added []Key, slots []int32, evicted []Key, ok bool) {
+	for i, k := range keys {
+		if _, ok := c.entries[k]; !ok && !slices.Contains(keys[:i], k) {
+			added = append(added, k)
+		}
+	}
+	if len(added) == 0 {
+		return nil, nil, nil, true
+	}
+	if short := len(added) - c.freeSlots(); short > 0 {
+		evicted = c.policy.Evict(short, func(k Key) bool { return slices.Contains(keys, k) })
+		if evicted == nil {
+			return nil, nil, nil, false
+		}
+		for _, k := range evicted {
+			c.release(k)
+		}
+		c.evictions += uint64(len(evicted))
+		c.events = append(c.events, Event{Tier: "cpu", Keys: evicted, Removed: true})
+	}
+	now := time.Now()
+	slots = make([]int32, len(added))
+	for i, k := range added {
+		var s int32
+		if n := len(c.free); n > 0 {
+			s, c.free = c.free[n-1], c.free[:n-1]
+		} else {
+			s = c.fresh
+			c.fresh++
+		}
+		slots[i] = s
+		c.entries[k] = &cpuEntry{slot: s, writing: true, writer: writer, since: now}
+		c.policy.Insert(k)
+		c.writing++
+	}
+	return added, slots, evicted, true
+}
+
+// release frees k's slot; the policy must already have forgotten k.
+func (c *CPUTier) release(k Key) {
+	e := c.entries[k]
+	delete(c.entries, k)
+	c.free = append(c.free, e.slot)
+}
+
+// Commit ends writes owned by writer: with ok the keys become ready (a
+// stored event), otherwise their slots are freed. Keys not being written
+// by writer are left alone. It returns the keys it changed and the longest
+// time one of them was being written.
+func (c *CPUTier) Commit(keys []Key, writer Owner, ok bool) (done []Key, took time.Duration) {
+	now := time.Now()
+	for _, k := range keys {
+		e, found := c.entries[k]
+		if !found || !e.writing || e.writer != writer {
+			continue
+		}
+		done = append(done, k)
+		took = max(took, now.Sub(e.since))
+		c.writing--
+		if ok {
+			e.writing, e.writer = false, Owner{}
+			c.policy.SetEvictable(k, true)
+			c.storedBytes += uint64(c.arena.SlotBytes())
+		} else {
+			c.policy.Remove(k)
+			c.release(k)
+		}
+	}
+	if ok && len(done) > 0 {
+		c.events = append(c.events, Event{Tier: "cpu", Keys: done})
+	}
+	return done, took
+}
+
+// Pin adds a pin owned by owner to every key and returns their slots. Every
+// key must be ready; otherwise nothing is pinned and the error names the
+// first key that is not (S2.3). access records a use with the policy (a
+// load); a cascade's read pin does not.
+func (c *CPUTier) Pin(keys []Key, owner Owner, access bool) ([]int32, error) {
+	for _, k := range keys {
+		if e, ok := c.entries[k]; !ok || e.writing {
+			return nil, fmt.Errorf("%w: key %v is %v in the CPU tier", ErrNotReady, k, c.Lookup(k))
+		}
+	}
+	now := time.Now()
+	slots := make([]int32, len(keys))
+	for i, k := range keys {
+		e := c.entries[k]
+		if len(e.pins) == 0 {
+			c.pinned++
+			c.policy.SetEvictable(k, false)
+		}
+		e.pins = append(e.pins, pin{owner: owner, since: now})
+		slots[i] = e.slot
+		if access {
+			c.policy.Access(k)
+		}
+	}
+	return slots, nil
+}
+
+// Unpin removes one pin owned by owner from every key. Keys that hold no
+// such pin are skipped and reported in the error. It returns the longest
+// time one of the removed pins was held.
+func (c *CPUTier) Unpin(keys []Key, owner Owner) (time.Duration, error) {
+	var missing []Key
+	var held time.Duration
+	now := time.Now()
+	for _, k := range keys {
+		e, ok := c.entries[k]
+		i := -1
+		if ok {
+			i = slices.IndexFunc(e.pins, func(p pin) bool { return p.owner == owner })
+		}
+		if i < 0 {
+			missing = append(missing, k)
+			continue
+		}
+		held = max(held, now.Sub(e.pins[i].since))
+		c.unpinAt(k, e, i)
+	}
+	if len(missing) > 0 {
+		return held, fmt.Errorf("%w: %v holds no pin on %d key(s), first %v", ErrNotPinned, owner, len(missing), missing[0])
+	}
+	return held, nil
+}
+
+func (c *CPUTier) unpinAt(k Key, e *cpuEntry, i int) {
+	e.pins = slices.Delete(e.pins, i, i+1)
+	if len(e.pins) == 0 {
+		e.pins = nil
+		c.pinned--
+		c.policy.SetEvictable(k, true)
+	}
+}
+
+// ReleaseOwner removes every pin owner holds and counts them as forced
+// releases (S1.3). It returns how many pins it removed.
+func (c *CPUTier) ReleaseOwner(owner Owner) int {
+	n := 0
+	for k, e := range c.entries {
+		for i := len(e.pins) - 1; i >= 0; i-- {
+			if e.pins[i].owner == owner {
+				c.unpinAt(k, e, i)
+				n++
+			}
+		}
+	}
+	c.forcedReleases += uint64(n)
+	return n
+}
+
+// Touch marks keys as recently used, the first key most recently.
+func (c *CPUTier) Touch(keys []Key) {
+	for i := len(keys) - 1; i >= 0; i-- {
+		if _, ok := c.entries[keys[i]]; ok {
+			c.policy.Access(keys[i])
+		}
+	}
+}
+
+// Audit lists the pins held longer than olderThan, oldest first (S1.3).
+func (c *CPUTier) Audit(olderThan time.Duration) []PinInfo {
+	now := time.Now()
+	var out []PinInfo
+	for k, e := range c.entries {
+		for _, p := range e.pins {
+			if age := now.Sub(p.since); age >= olderThan {
+				out = append(out, PinInfo{Key: k, Slot: int(e.slot), Owner: p.owner, Age: age})
+			}
+		}
+	}
+	slices.SortFunc(out, func(a, b PinInfo) int {
+		return cmp.Or(cmp.Compare(b.Age, a.Age), cmp.Compare(a.Slot, b.Slot))
+	})
+	return out
+}
+
+// TakeEvents returns and forgets the stored and removed events so far.
+func (c *CPUTier) TakeEvents() []Event {
+	ev := c.events
+	c.events = nil
+	return ev
+}
+
+// CPUStats is a snapshot of the CPU tier's occupancy.
+type CPUStats struct {
+	Slots          int    `json:"slots"`
+	Used           int    `json:"used"`    // resident: writing or ready
+	Writing        int    `json:"writing"` // reserved, data not readable yet
+	Pinned         int    `json:"pinned"`  // ready with at least one pin
+	Evictions      uint64 `json:"evictions"`
+	ForcedReleases uint64 `json:"forced_releases"`
+	StoredBytes    uint64 `json:"stored_bytes"`
+	Policy         string `json:"policy"`
+}
+
+// Stats returns the tier's occupancy and counters.
+func (c *CPUTier) Stats() CPUStats {
+	return CPUStats{
+		Slots: c.arena.Slots(), Used: len(c.entries), Writing: c.writing, Pinned: c.pinned,
+		Evictions: c.evictions, ForcedReleases: c.forcedReleases, StoredBytes: c.storedBytes,
+		Policy: c.policy.Name(),
+	}
+}

@@ -1,0 +1,785 @@
+package offload
+
+import (
+	"cmp"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"slices"
+	"sync"
+	"time"
+)
+
+// Manager is the tiering manager: the CPU primary tier, the secondary
+// tiers, and every transfer between them. One mutex guards it (S2.0); see
+// Begin, Do and the package documentation for how callers hold it.
+type Manager struct {
+	cfg        Config
+	log        *slog.Logger
+	blockBytes int
+	specs      []TierSpec
+	progress   chan struct{}
+
+	mu struct {
+		sync.Mutex
+		closed    bool
+		cpu       *CPUTier
+		tiers     []Tier
+		admission Admission
+		nextJob   uint64
+		epoch     uint64
+		jobs      map[uint64]*Job
+		pending   []*Job // promotions queued this pass, in order (S2.2)
+		reqs      map[string]*reqState
+		parked    []*reqState // requests with parked cascade keys, in order
+		counters  counters
+	}
+}
+
+type reqState struct {
+	req           *Request
+	pendingStores int
+	finished      bool
+	requestLevel  []int // tiers that asked for RequestLevel, ascending
+	parked        []Key // cascade keys still writing in the CPU tier
+	sources       map[Key]int
+}
+
+// StorePlan is the answer to PrepareStore: the keys that need storing, the
+// CPU slots reserved for them (parallel to Keys) and the keys evicted to
+// make room.
+type StorePlan struct {
+	Keys    []Key
+	Slots   []int32
+	Evicted []Key
+}
+
+// New builds the CPU tier described by cfg and the secondary tiers of specs,
+// in lookup order.
+func New(cfg Config, specs ...TierSpec) (*Manager, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	log := cfg.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	m := &Manager{cfg: cfg, log: log, blockBytes: cfg.Geometry.BlockBytes(), specs: slices.Clone(specs),
+		progress: make(chan struct{}, 1)}
+	for i, s := range specs {
+		if s.Name == "" || s.New == nil {
+			return nil, fmt.Errorf("%w: tier %d: a tier needs a name and a constructor", ErrConfig, i)
+		}
+	}
+	switch cfg.Admission {
+	case "always":
+		m.mu.admission = Always{}
+	case "backpressure":
+		bp, err := NewBackpressure(specs)
+		if err != nil {
+			return nil, err
+		}
+		m.mu.admission = bp
+	}
+	policy, err := NewPolicy(cfg.CPUPolicy, cfg.CPUSlots())
+	if err != nil {
+		return nil, err
+	}
+	arena, err := NewArena(cfg.CPUSlots(), m.blockBytes, ArenaOptions{Lock: cfg.CPUMlock, HugePages: cfg.CPUHugePages})
+	if err != nil {
+		return nil, err
+	}
+	if arena.LockErr != nil {
+		log.Warn("CPU arena not locked in RAM", "err", arena.LockErr)
+	}
+	if arena.HugePagesErr != nil {
+		log.Info("CPU arena without transparent huge pages", "err", arena.HugePagesErr)
+	}
+	m.mu.cpu = NewCPUTier(arena, policy)
+	m.mu.jobs = make(map[uint64]*Job)
+	m.mu.reqs = make(map[string]*reqState)
+	m.mu.counters = newCounters(len(specs))
+	for i, s := range specs {
+		t, err := s.New(TierEnv{Index: i, Wake: m.signalProgress, Arena: arena, Logger: log.With("tier", s.Name)})
+		if err != nil {
+			err = fmt.Errorf("offload: creating tier %d (%s): %w", i, s.Name, err)
+			m.mu.closed = true
+			return nil, errors.Join(err, m.closeLocked())
+		}
+		m.mu.tiers = append(m.mu.tiers, t)
+	}
+	return m, nil
+}
+
+// Arena returns the CPU tier's memory, for registering it with a GPU or
+// NIXL.
+func (m *Manager) Arena() *Arena { return m.mu.cpu.Arena() }
+
+// Config returns the manager's configuration.
+func (m *Manager) Config() Config { return m.cfg }
+
+// BlockBytes is the size of one block.
+func (m *Manager) BlockBytes() int { return m.blockBytes }
+
+// Progress returns the notification channel of S2.10: it receives a value
+// after a job completed, a promotion landed or a lookup answer may have
+// changed. An engine with requests waiting on HitPending or Retry sleeps on
+// it. It has one slot: several signals may arrive as one.
+func (m *Manager) Progress() <-chan struct{} { return m.progress }
+
+func (m *Manager) signalProgress() {
+	select {
+	case m.progress <- struct{}{}:
+	default:
+	}
+}
+
+// Step is the manager with its lock held: the scheduling phase of an engine
+// step (from Begin) or one call made outside a step (inside Do). A Step is
+// valid until OnScheduleEnd, or until Do's function returns.
+type Step struct {
+	m     *Manager
+	ended bool
+}
+
+// Begin starts an engine step: it takes the manager lock and applies the
+// results tiers have reported. End the step with OnScheduleEnd.
+func (m *Manager) Begin() *Step {
+	m.mu.Lock()
+	s := &Step{m: m}
+	if !m.mu.closed {
+		m.collectLocked()
+	}
+	return s
+}
+
+// Do runs fn with the manager lock held, for calls outside an engine step
+// (an executor reporting a finished copy, an abort). Promotions that fn
+// queues are submitted when it returns.
+func (m *Manager) Do(fn func(s *Step)) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	s := &Step{m: m}
+	defer func() { s.ended = true }()
+	fn(s)
+	if !m.mu.closed {
+		m.flushPromotionsLocked()
+	}
+}
+
+func (s *Step) check(op string) error {
+	switch {
+	case s.ended:
+		s.m.misuseLocked(op, "step_ended", ErrStepEnded)
+		return fmt.Errorf("%s: %w", op, ErrStepEnded)
+	case s.m.mu.closed:
+		return fmt.Errorf("%s: %w", op, ErrClosed)
+	}
+	return nil
+}
+
+// misuseLocked logs and counts a caller's or a tier's mistake.
+func (m *Manager) misuseLocked(op, reason string, err error) {
+	m.mu.counters.errors[reason]++
+	m.log.Warn("offload: "+op+" failed", "reason", reason, "err", err)
+}
+
+// Lookup answers whether key can be loaded for req (S2.1): Hit when it is
+// ready in the CPU tier; HitPending while it is written there, or when a
+// secondary tier has it and a promotion was queued; Retry while a tier is
+// still finding out; Miss otherwise.
+func (s *Step) Lookup(k Key, req *Request) Result {
+	if s.check("lookup") != nil {
+		return Miss
+	}
+	return s.m.lookupLocked(k, req, -1)
+}
+
+func (m *Manager) lookupLocked(k Key, req *Request, exclude int) Result {
+	c := &m.mu.counters
+	r := m.mu.cpu.Lookup(k)
+	c.lookups[0][r]++
+	if r != Miss {
+		return r
+	}
+	retry := false
+	for i, t := range m.mu.tiers {
+		if i == exclude || !req.allows(&m.specs[i]) {
+			continue
+		}
+		tr := t.Lookup(k, req)
+		if tr == HitPending {
+			m.misuseLocked("tier lookup", "tier_hit_pending", fmt.Errorf("tier %d (%s) answered hit_pending for %v; treated as retry", i, m.specs[i].Name, k))
+			tr = Retry
+		}
+		c.lookups[i+1][tr]++
+		switch tr {
+		case Hit:
+			// The first tier that has the block promotes it; later tiers are
+			// not asked even if the promotion cannot start.
+			if m.promoteLocked(i, k, req) {
+				return HitPending
+			}
+			return Miss
+		case Retry:
+			retry = true
+		}
+	}
+	if retry {
+		return Retry
+	}
+	return Miss
+}
+
+// promoteLocked reserves a CPU slot for k and queues it on the (tier, req)
+// promotion of this pass.
+func (m *Manager) promoteLocked(tier int, k Key, req *Request) bool {
+	if !m.mu.admission.Admit(tier, 1, true) {
+		return false
+	}
+	i := slices.IndexFunc(m.mu.pending, func(j *Job) bool { return j.Tier == tier && j.Req == req })
+	id := m.mu.nextJob
+	if i >= 0 {
+		id = m.mu.pending[i].ID
+	}
+	added, slots, _, ok := m.mu.cpu.Reserve([]Key{k}, JobOwner(id))
+	if !ok || len(added) == 0 {
+		m.mu.counters.promotionAllocFailures++
+		return false
+	}
+	if i < 0 {
+		m.mu.nextJob++
+		m.mu.pending = append(m.mu.pending, &Job{ID: id, Tier: tier, Epoch: m.mu.epoch, Promotion: true, Req: req})
+		i = len(m.mu.pending) - 1
+	}
+	j := m.mu.pending[i]
+	j.Keys = append(j.Keys, k)
+	j.Slots = append(j.Slots, slots[0])
+	if st := m.mu.reqs[req.ID]; st != nil && st.req == req {
+		if st.sources == nil {
+			st.sources = make(map[Key]int)
+		}
+		st.sources[k] = tier
+	}
+	return true
+}
+
+// flushPromotionsLocked submits the promotions queued in this pass: one
+// load job per (tier, request), tiers in order, requests in the order they
+// first promoted (S2.2).
+func (m *Manager) flushPromotionsLocked() {
+	pending := m.mu.pending
+	if len(pending) == 0 {
+		return
+	}
+	m.mu.pending = nil
+	slices.SortStableFunc(pending, func(a, b *Job) int { return cmp.Compare(a.Tier, b.Tier) })
+	now := time.Now()
+	for _, j := range pending {
+		j.Submitted = now
+		m.mu.jobs[j.ID] = j
+		m.mu.tiers[j.Tier].SubmitLoad(j)
+	}
+}
+
+// LoadSource names where req's block k came from: the name of the
+// secondary tier that promoted it for req, or "cpu".
+func (s *Step) LoadSource(k Key, req *Request) string {
+	if st := s.m.mu.reqs[req.ID]; st != nil {
+		if i, ok := st.sources[k]; ok {
+			return s.m.specs[i].Name
+		}
+	}
+	return "cpu"
+}
+
+// PrepareLoad pins keys for a CPU → GPU copy on behalf of req and returns
+// their slots. Every key must be ready (a Hit in this step); otherwise
+// nothing is pinned and the error names the key (S2.3).
+func (s *Step) PrepareLoad(keys []Key, req *Request) ([]int32, error) {
+	if err := s.check("prepare load"); err != nil {
+		return nil, err
+	}
+	slots, err := s.m.mu.cpu.Pin(keys, RequestOwner(req.ID), true)
+	if err != nil {
+		s.m.misuseLocked("prepare load", "not_ready", err)
+		return nil, fmt.Errorf("prepare load for request %s: %w", req.ID, err)
+	}
+	return slots, nil
+}
+
+// CompleteLoad releases the pins PrepareLoad took for req.
+func (s *Step) CompleteLoad(keys []Key, req *Request) error {
+	if err := s.check("complete load"); err != nil {
+		return err
+	}
+	m := s.m
+	held, err := m.mu.cpu.Unpin(keys, RequestOwner(req.ID))
+	if err != nil {
+		m.misuseLocked("complete load", "not_pinned", err)
+		return fmt.Errorf("complete load for request %s: %w", req.ID, err)
+	}
+	m.mu.counters.xfer[0][dirRead].add(len(keys)*m.blockBytes, held)
+	return nil
+}
+
+// Touch marks keys recently used, the first most recently, in the CPU tier
+// and in every tier that keeps its own recency.
+func (s *Step) Touch(keys []Key, req *Request) {
+	if s.check("touch") != nil {
+		return
+	}
+	s.m.mu.cpu.Touch(keys)
+	for _, t := range s.m.mu.tiers {
+		if tt, ok := t.(Toucher); ok {
+			tt.Touch(keys, req)
+		}
+	}
+}
+
+// PrepareStore reserves CPU slots for the keys of keys that are not
+// resident, evicting idle blocks if needed (S2.4). It returns nil, nil when
+// not enough blocks can be evicted. Every non-empty plan must be followed
+// by exactly one CompleteStore. Keys already resident are cascaded to the
+// tiers that asked for whole requests.
+func (s *Step) PrepareStore(keys []Key, req *Request) (*StorePlan, error) {
+	if err := s.check("prepare store"); err != nil {
+		return nil, err
+	}
+	m := s.m
+	st := m.mu.reqs[req.ID]
+	if st == nil {
+		err := fmt.Errorf("prepare store: request %s: %w (call OnNewRequest first)", req.ID, ErrUnknownRequest)
+		m.misuseLocked("prepare store", "unknown_request", err)
+		return nil, err
+	}
+	added, slots, evicted, ok := m.mu.cpu.Reserve(keys, RequestOwner(req.ID))
+	if !ok {
+		return nil, nil
+	}
+	if len(added) > 0 {
+		st.pendingStores++
+	}
+	if len(st.requestLevel) > 0 {
+		var existing []Key
+		for _, k := range keys {
+			if !slices.Contains(added, k) && !slices.Contains(existing, k) {
+				existing = append(existing, k)
+			}
+		}
+		m.cascadeExistingLocked(existing, st)
+	}
+	return &StorePlan{Keys: added, Slots: slots, Evicted: evicted}, nil
+}
+
+// CompleteStore ends the GPU → CPU copy of a PrepareStore: with ok the
+// blocks become readable and cascade to every secondary tier that
+// admission allows; without, their slots are freed and nothing cascades
+// (S2.4). A store that finishes after its request was aborted still
+// completes in the CPU tier but cascades nowhere.
+func (s *Step) CompleteStore(keys []Key, req *Request, ok bool) error {
+	if err := s.check("complete store"); err != nil {
+		return err
+	}
+	m := s.m
+	done, took := m.mu.cpu.Commit(keys, RequestOwner(req.ID), ok)
+	if ok {
+		m.mu.counters.xfer[0][dirWrite].add(len(done)*m.blockBytes, took)
+	}
+	st := m.mu.reqs[req.ID]
+	if st == nil || st.req != req {
+		if len(done) > 0 {
+			return nil // aborted while its copy was in flight
+		}
+		err := fmt.Errorf("complete store: request %s: %w", req.ID, ErrUnknownRequest)
+		m.misuseLocked("complete store", "unknown_request", err)
+		return err
+	}
+	if st.pendingStores == 0 {
+		err := fmt.Errorf("complete store: request %s: %w", req.ID, ErrNoStore)
+		m.misuseLocked("complete store", "no_store", err)
+		return err
+	}
+	st.pendingStores--
+	if ok && len(done) > 0 {
+		for i := range m.mu.tiers {
+			m.cascadeLocked(done, req, i)
+		}
+	}
+	m.maybeFinalizeLocked(st, -1)
+	return nil
+}
+
+// cascadeLocked creates and submits a cascade of ready keys to tier.
+func (m *Manager) cascadeLocked(keys []Key, req *Request, tier int) {
+	j, err := m.createStoreJobLocked(keys, req, tier)
+	if err != nil || j == nil {
+		return
+	}
+	m.mu.tiers[tier].SubmitStore(j)
+}
+
+// CreateStoreJob pins keys, which must be ready, for a cascade to tier and
+// submits it; the pins are released when the tier reports the job. It
+// returns nil, nil when admission refuses (no pin, no job id).
+func (s *Step) CreateStoreJob(keys []Key, req *Request, tier int) (*Job, error) {
+	if err := s.check("create store job"); err != nil {
+		return nil, err
+	}
+	if tier < 0 || tier >= len(s.m.mu.tiers) {
+		return nil, fmt.Errorf("create store job: no secondary tier %d", tier)
+	}
+	j, err := s.m.createStoreJobLocked(keys, req, tier)
+	if j != nil {
+		s.m.mu.tiers[tier].SubmitStore(j)
+	}
+	return j, err
+}
+
+func (m *Manager) createStoreJobLocked(keys []Key, req *Request, tier int) (*Job, error) {
+	if len(keys) == 0 || !m.mu.admission.Admit(tier, len(keys), false) {
+		return nil, nil
+	}
+	id := m.mu.nextJob
+	slots, err := m.mu.cpu.Pin(keys, JobOwner(id), false)
+	if err != nil {
+		m.misuseLocked("create store job", "not_ready", err)
+		return nil, fmt.Errorf("create store job for tier %d: %w", tier, err)
+	}
+	m.mu.nextJob++
+	j := &Job{ID: id, Tier: tier, Epoch: m.mu.epoch, Keys: slices.Clone(keys), Slots: slots, Req: req, Submitted: time.Now()}
+	m.mu.jobs[id] = j
+	return j, nil
+}
+
+// cascadeExistingLocked sends keys already in the CPU tier to st's
+// request-level tiers; keys still being written are parked until they
+// resolve (S2.4).
+func (m *Manager) cascadeExistingLocked(keys []Key, st *reqState) {
+	var ready []Key
+	for _, k := range keys {
+		switch m.mu.cpu.Lookup(k) {
+		case Hit:
+			ready = append(ready, k)
+		case HitPending:
+			if !slices.Contains(st.parked, k) {
+				st.parked = append(st.parked, k)
+			}
+		}
+	}
+	if len(st.parked) > 0 && !slices.Contains(m.mu.parked, st) {
+		m.mu.parked = append(m.mu.parked, st)
+	}
+	if len(ready) == 0 {
+		return
+	}
+	for _, i := range st.requestLevel {
+		m.cascadeLocked(ready, st.req, i)
+	}
+}
+
+// flushParkedLocked retries every parked cascade key; a parked key always
+// resolves, because a failed write frees its slot.
+func (m *Manager) flushParkedLocked() {
+	parked := m.mu.parked
+	m.mu.parked = nil
+	for _, st := range parked {
+		keys := st.parked
+		st.parked = nil
+		m.cascadeExistingLocked(keys, st)
+		m.maybeFinalizeLocked(st, -1)
+	}
+}
+
+// OnNewRequest registers req and asks each tier which blocks it wants. It
+// returns RequestLevel if any tier asked for whole requests.
+func (s *Step) OnNewRequest(req *Request) (Level, error) {
+	if err := s.check("new request"); err != nil {
+		return ChunkLevel, err
+	}
+	return s.m.onNewRequestLocked(req, -1)
+}
+
+func (m *Manager) onNewRequestLocked(req *Request, exclude int) (Level, error) {
+	if req == nil || req.ID == "" {
+		return ChunkLevel, fmt.Errorf("new request: %w: a request needs an id", ErrUnknownRequest)
+	}
+	if _, ok := m.mu.reqs[req.ID]; ok {
+		err := fmt.Errorf("new request %s: %w", req.ID, ErrRequestExists)
+		m.misuseLocked("new request", "request_exists", err)
+		return ChunkLevel, err
+	}
+	st := &reqState{req: req}
+	m.mu.reqs[req.ID] = st
+	lvl := ChunkLevel
+	for i, t := range m.mu.tiers {
+		if h, ok := t.(RequestHooks); ok && i != exclude && h.OnNewRequest(req) == RequestLevel {
+			st.requestLevel = append(st.requestLevel, i)
+			lvl = RequestLevel
+		}
+	}
+	return lvl, nil
+}
+
+// OnRequestFinished says req will make no new calls. The tiers see it
+// once its stores completed and no cascade is parked (S2.5). Stores and
+// loads already prepared may still complete afterwards.
+func (s *Step) OnRequestFinished(req *Request) error {
+	if err := s.check("request finished"); err != nil {
+		return err
+	}
+	return s.m.onRequestFinishedLocked(req, -1)
+}
+
+func (m *Manager) onRequestFinishedLocked(req *Request, exclude int) error {
+	st := m.mu.reqs[req.ID]
+	if st == nil || st.req != req {
+		err := fmt.Errorf("request finished: %s: %w", req.ID, ErrUnknownRequest)
+		m.misuseLocked("request finished", "unknown_request", err)
+		return err
+	}
+	st.finished = true
+	m.maybeFinalizeLocked(st, exclude)
+	return nil
+}
+
+func (m *Manager) maybeFinalizeLocked(st *reqState, exclude int) {
+	if !st.finished || st.pendingStores > 0 || len(st.parked) > 0 {
+		return
+	}
+	m.finalizeLocked(st, exclude)
+}
+
+func (m *Manager) finalizeLocked(st *reqState, exclude int) {
+	delete(m.mu.reqs, st.req.ID)
+	for i, t := range m.mu.tiers {
+		if h, ok := t.(RequestHooks); ok && i != exclude {
+			h.OnRequestFinished(st.req)
+		}
+	}
+}
+
+// Abort releases at once everything req holds — its pins, its queued
+// promotions, its parked cascades — and tells the tiers (S2.9). Copies
+// already in flight complete normally. Abort is idempotent.
+func (s *Step) Abort(req *Request) {
+	if s.check("abort") != nil {
+		return
+	}
+	m := s.m
+	if n := m.mu.cpu.ReleaseOwner(RequestOwner(req.ID)); n > 0 {
+		m.log.Info("abort released pins", "request", req.ID, "pins", n)
+	}
+	m.mu.pending = slices.DeleteFunc(m.mu.pending, func(j *Job) bool {
+		if j.Req != req {
+			return false
+		}
+		m.mu.cpu.Commit(j.Keys, JobOwner(j.ID), false)
+		return true
+	})
+	st := m.mu.reqs[req.ID]
+	if st == nil || st.req != req {
+		return
+	}
+	st.parked = nil
+	m.mu.parked = slices.DeleteFunc(m.mu.parked, func(p *reqState) bool { return p == st })
+	m.finalizeLocked(st, -1)
+}
+
+// OnScheduleEnd ends the step (S2.2): it applies finished jobs, lets tiers
+// serve peers, submits the promotions queued in this step, retries parked
+// cascades, tells tiers the step ended and releases the lock.
+func (s *Step) OnScheduleEnd() {
+	if s.ended {
+		s.m.misuseLocked("schedule end", "step_ended", ErrStepEnded)
+		return
+	}
+	m := s.m
+	defer m.mu.Unlock()
+	s.ended = true
+	if m.mu.closed {
+		return
+	}
+	m.serviceLocked()
+	for _, t := range m.mu.tiers {
+		if e, ok := t.(StepEnder); ok {
+			e.OnScheduleEnd()
+		}
+	}
+}
+
+// serviceLocked is one pass over the tiers: results, peer requests,
+// promotions and parked cascades.
+func (m *Manager) serviceLocked() {
+	m.collectLocked()
+	for i, t := range m.mu.tiers {
+		if srv, ok := t.(Server); ok {
+			srv.Serve(&parent{m: m, tier: i})
+		}
+	}
+	m.collectLocked()
+	m.flushPromotionsLocked()
+	m.flushParkedLocked()
+}
+
+// collectLocked applies the results every tier reported.
+func (m *Manager) collectLocked() {
+	got := false
+	for i, t := range m.mu.tiers {
+		for _, r := range t.Finished() {
+			m.applyResultLocked(i, r)
+			got = true
+		}
+	}
+	if got {
+		m.signalProgress()
+	}
+}
+
+func (m *Manager) applyResultLocked(tier int, r JobResult) {
+	j, ok := m.mu.jobs[r.ID]
+	if !ok {
+		m.misuseLocked("job result", "unknown_job", fmt.Errorf("%w: tier %d (%s) reported job %d", ErrUnknownJob, tier, m.specs[tier].Name, r.ID))
+		return
+	}
+	if j.Tier != tier {
+		m.misuseLocked("job result", "wrong_tier", fmt.Errorf("%w: tier %d (%s) reported job %d of tier %d", ErrWrongTier, tier, m.specs[tier].Name, r.ID, j.Tier))
+		return
+	}
+	delete(m.mu.jobs, r.ID)
+	m.mu.admission.Completed(j, r, m.blockBytes)
+	took := r.Duration
+	if took <= 0 {
+		took = time.Since(j.Submitted)
+	}
+	c := &m.mu.counters
+	owner := JobOwner(j.ID)
+	if !j.Promotion {
+		if _, err := m.mu.cpu.Unpin(j.Keys, owner); err != nil {
+			m.misuseLocked("cascade result", "not_pinned", err)
+		}
+		if r.OK {
+			c.xfer[tier+1][dirWrite].add(len(j.Keys)*m.blockBytes, took)
+		} else {
+			c.jobFailures[tier][dirWrite]++
+		}
+		return
+	}
+	good := j.Keys
+	if !r.OK {
+		c.jobFailures[tier][dirRead]++
+		good = nil
+		for _, k := range r.Succeeded {
+			if slices.Contains(j.Keys, k) {
+				good = append(good, k)
+			}
+		}
+	}
+	if j.Epoch != m.mu.epoch {
+		good = nil // from before a cache reset: never readable
+	}
+	bad := slices.DeleteFunc(slices.Clone(j.Keys), func(k Key) bool { return slices.Contains(good, k) })
+	m.mu.cpu.Commit(good, owner, true)
+	m.mu.cpu.Commit(bad, owner, false)
+	if len(good) > 0 {
+		c.xfer[tier+1][dirRead].add(len(good)*m.blockBytes, took)
+	}
+	if st := m.mu.reqs[j.Req.ID]; st != nil && st.sources != nil {
+		for _, k := range bad {
+			if st.sources[k] == tier {
+				delete(st.sources, k)
+			}
+		}
+	}
+}
+
+// HasPendingWork reports whether the engine must keep stepping although it
+// has nothing to schedule: jobs in flight, promotions queued, parked
+// cascades, or a tier with outstanding work.
+func (m *Manager) HasPendingWork() bool {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if len(m.mu.jobs) > 0 || len(m.mu.pending) > 0 || len(m.mu.parked) > 0 {
+		return true
+	}
+	for _, t := range m.mu.tiers {
+		if p, ok := t.(Pender); ok && p.Pending() {
+			return true
+		}
+	}
+	return false
+}
+
+// TakeEvents returns the stored and removed events since the last call:
+// the CPU tier's, then each tier's in order (S2.8).
+func (m *Manager) TakeEvents() []Event {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	ev := m.mu.cpu.TakeEvents()
+	for _, t := range m.mu.tiers {
+		if src, ok := t.(EventSource); ok {
+			ev = append(ev, src.TakeEvents()...)
+		}
+	}
+	return ev
+}
+
+// Audit lists the CPU tier's pins held longer than olderThan (S1.3).
+func (m *Manager) Audit(olderThan time.Duration) []PinInfo {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.mu.cpu.Audit(olderThan)
+}
+
+// Close shuts the tiers down in reverse order, then unmaps the CPU arena.
+// If a tier fails to close, the arena stays mapped, since that tier may
+// still touch it. Close is idempotent.
+func (m *Manager) Close() error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.mu.closed {
+		return nil
+	}
+	m.mu.closed = true
+	return m.closeLocked()
+}
+
+func (m *Manager) closeLocked() error {
+	var errs []error
+	for i, t := range slices.Backward(m.mu.tiers) {
+		if c, ok := t.(io.Closer); ok {
+			if err := c.Close(); err != nil {
+				errs = append(errs, fmt.Errorf("closing tier %d (%s): %w", i, m.specs[i].Name, err))
+			}
+		}
+	}
+	if len(errs) > 0 {
+		return errors.Join(errs...)
+	}
+	if m.mu.cpu != nil {
+		return m.mu.cpu.Arena().Close()
+	}
+	return nil
+}
+
+// parent is the Parent facade bound to one tier.
+type parent struct {
+	m    *Manager
+	tier int
+}
+
+func (p *parent) OnNewRequest(req *Request) error {
+	_, err := p.m.onNewRequestLocked(req, p.tier)
+	return err
+}
+
+func (p *parent) Lookup(k Key, req *Request) Result { return p.m.lookupLocked(k, req, p.tier) }
+
+func (p *parent) CreateStoreJob(keys []Key, req *Request) (*Job, error) {
+	return p.m.createStoreJobLocked(keys, req, p.tier)
+}
+
+func (p *parent) OnRequestFinished(req *Request) error {
+	return p.m.onRequestFinishedLocked(req, p.tier)
+}

@@ -1,0 +1,215 @@
+package offload
+
+import (
+	"context"
+	"log/slog"
+	"time"
+)
+
+// Tier is the contract every secondary tier implements (disk, P2P, …).
+// Every method is called with the manager lock held and must not block.
+type Tier interface {
+	// Lookup answers Hit (present and loadable), Miss or Retry (still
+	// finding out). Never HitPending.
+	Lookup(k Key, req *Request) Result
+	// SubmitLoad starts a promotion: copy job.Keys into the reserved CPU
+	// slots job.Slots. The result comes back through Finished.
+	SubmitLoad(job *Job)
+	// SubmitStore starts a cascade: copy the pinned CPU slots job.Slots
+	// out. The tier skips keys it already has. The result comes back
+	// through Finished.
+	SubmitStore(job *Job)
+	// Finished returns every job that ended since the last call, each once.
+	Finished() []JobResult
+}
+
+// Optional tier capabilities, found by type assertion.
+type (
+	// RequestHooks is implemented by tiers that keep per-request state.
+	RequestHooks interface {
+		// OnNewRequest says whether the tier wants only newly computed
+		// blocks (ChunkLevel) or every block of the request (RequestLevel).
+		OnNewRequest(req *Request) Level
+		// OnRequestFinished is called once, after the last submit for req.
+		OnRequestFinished(req *Request)
+	}
+	// Server is implemented by tiers that serve requests from outside the
+	// engine (peers): Serve runs under the manager lock with a facade that
+	// is valid only during the call.
+	Server interface{ Serve(p Parent) }
+	// StepEnder is implemented by tiers that batch work per engine step
+	// (for example lookups sent to a peer once per step).
+	StepEnder interface{ OnScheduleEnd() }
+	// Toucher is implemented by tiers that keep their own recency.
+	Toucher interface {
+		Touch(keys []Key, req *Request)
+	}
+	// EventSource is implemented by tiers that report stored and removed
+	// keys of their own.
+	EventSource interface{ TakeEvents() []Event }
+	// Pender is implemented by tiers with outstanding work that only
+	// polling reveals.
+	Pender interface{ Pending() bool }
+	// Drainer is implemented by tiers whose submitted jobs can be waited
+	// for: Drain returns when every job has a result queued for Finished
+	// (or ctx ends). It is called without the manager lock.
+	Drainer interface {
+		Drain(ctx context.Context) error
+	}
+)
+
+// Level says which blocks of a request a tier wants.
+type Level uint8
+
+const (
+	// ChunkLevel: the tier receives only newly computed blocks.
+	ChunkLevel Level = iota
+	// RequestLevel: the tier receives every block of the request, including
+	// prefix hits already in the CPU tier (a P2P producer wants this).
+	RequestLevel
+)
+
+// Parent is the facade a tier uses from inside Serve, bound to that tier:
+// its lookups skip the tier itself and its store jobs belong to it. Per
+// external request the order is OnNewRequest, any Lookup and
+// CreateStoreJob calls, then OnRequestFinished (also when nothing was
+// found).
+type Parent interface {
+	OnNewRequest(req *Request) error
+	Lookup(k Key, req *Request) Result
+	// CreateStoreJob pins keys (which must be ready) for a job of this tier
+	// and returns it; the tier runs it and reports it through Finished.
+	// It returns nil, nil when admission refuses.
+	CreateStoreJob(keys []Key, req *Request) (*Job, error)
+	OnRequestFinished(req *Request) error
+}
+
+// Medium is what a tier stores blocks on.
+type Medium uint8
+
+// Mediums, for tier filters.
+const (
+	MediumAny Medium = iota
+	MediumCPU
+	MediumStorage
+)
+
+// Locality says whether a tier is on this node or across the network.
+type Locality uint8
+
+// Localities, for tier filters and backpressure defaults.
+const (
+	LocalityAny Locality = iota
+	Local
+	Remote
+)
+
+// TierMatcher matches tiers by medium and locality; a zero field matches
+// anything, and so does a tier's zero field.
+type TierMatcher struct {
+	Medium   Medium
+	Locality Locality
+}
+
+func (m TierMatcher) matches(s *TierSpec) bool {
+	return (m.Medium == MediumAny || s.Medium == MediumAny || m.Medium == s.Medium) &&
+		(m.Locality == LocalityAny || s.Locality == LocalityAny || m.Locality == s.Locality)
+}
+
+// Request is one inference request as the manager sees it. The manager and
+// tiers keep the pointer: the same *Request reaches every job and tier
+// call made for it.
+type Request struct {
+	// ID names the request; it owns the request's pins.
+	ID string
+	// TransferParams are the request's kv_transfer_params, for tiers.
+	TransferParams map[string]any
+	// LoadTiers, when non-nil, limits which secondary tiers lookups ask:
+	// a tier is asked when any matcher matches it (an empty list asks
+	// none). It never limits the CPU tier or stores.
+	LoadTiers []TierMatcher
+
+	tierState map[int]any
+}
+
+// TierState returns what tier index stored on the request with
+// SetTierState (a tier's parsed parameters), or nil.
+func (r *Request) TierState(index int) any { return r.tierState[index] }
+
+// SetTierState stores v for tier index on the request.
+func (r *Request) SetTierState(index int, v any) {
+	if r.tierState == nil {
+		r.tierState = make(map[int]any)
+	}
+	r.tierState[index] = v
+}
+
+func (r *Request) allows(s *TierSpec) bool {
+	if r.LoadTiers == nil {
+		return true
+	}
+	for _, m := range r.LoadTiers {
+		if m.matches(s) {
+			return true
+		}
+	}
+	return false
+}
+
+// Job moves blocks between the CPU tier and one secondary tier.
+type Job struct {
+	ID uint64
+	// Tier is the index of the secondary tier that owns the job.
+	Tier int
+	// Epoch is the cache epoch the job was made in; a result from an older
+	// epoch never makes a block readable.
+	Epoch uint64
+	// Promotion is true for secondary → CPU, false for a cascade CPU →
+	// secondary.
+	Promotion bool
+	Keys      []Key
+	// Slots are the CPU slots, parallel to Keys: reserved (writing) for a
+	// promotion, pinned for a cascade.
+	Slots     []int32
+	Req       *Request
+	Submitted time.Time
+}
+
+// JobResult reports the end of a job.
+type JobResult struct {
+	ID uint64
+	OK bool
+	// Succeeded lists the keys of a failed promotion that did arrive
+	// (partial success); ignored when OK.
+	Succeeded []Key
+	// Bytes and Duration, when the tier measures them, feed metrics and
+	// backpressure; zero means unknown.
+	Bytes    int64
+	Duration time.Duration
+}
+
+// TierEnv is what a tier receives at construction.
+type TierEnv struct {
+	// Index is the tier's position among the secondary tiers.
+	Index int
+	// Wake tells the manager that the tier has results or requests to
+	// service. It never blocks and may be called from any goroutine.
+	Wake func()
+	// Arena is the CPU tier's memory, for zero-copy I/O into and out of
+	// slots. The tier must not touch slots it holds no job for.
+	Arena  *Arena
+	Logger *slog.Logger
+}
+
+// TierSpec configures one secondary tier of a manager.
+type TierSpec struct {
+	// Name labels the tier in metrics and events ("disk", "p2p").
+	Name     string
+	Medium   Medium
+	Locality Locality
+	// HighWater and LowWater override the backpressure marks in seconds
+	// per MiB (S2.7); zero takes the default for the tier's locality.
+	HighWater, LowWater float64
+	// New builds the tier.
+	New func(env TierEnv) (Tier, error)
+}
