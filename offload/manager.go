@@ -159,13 +159,20 @@ func (m *Manager) Begin() *Step {
 // queues are submitted when it returns.
 func (m *Manager) Do(fn func(s *Step)) {
 	m.mu.Lock()
-	defer m.mu.Unlock()
+	defer m.unlock()
 	s := &Step{m: m}
 	defer func() { s.ended = true }()
 	fn(s)
 	if !m.mu.closed {
 		m.flushPromotionsLocked()
 	}
+}
+
+// unlock releases the manager lock; the hits answered under it are no
+// longer protected from eviction.
+func (m *Manager) unlock() {
+	m.mu.cpu.ClearHits()
+	m.mu.Unlock()
 }
 
 func (s *Step) check(op string) error {
@@ -200,6 +207,9 @@ func (m *Manager) lookupLocked(k Key, req *Request, exclude int) Result {
 	c := &m.mu.counters
 	r := m.mu.cpu.Lookup(k)
 	c.lookups[0][r]++
+	if r == Hit {
+		m.mu.cpu.ProtectHit(k)
+	}
 	if r != Miss {
 		return r
 	}
@@ -596,7 +606,7 @@ func (s *Step) OnScheduleEnd() {
 		return
 	}
 	m := s.m
-	defer m.mu.Unlock()
+	defer m.unlock()
 	s.ended = true
 	if m.mu.closed {
 		return

@@ -647,3 +647,34 @@ func TestProgress(t *testing.T) {
 		t.Error("no progress signal after a job completed")
 	}
 }
+
+// S2.0: a Hit stays valid until PrepareLoad in the same step: a promotion
+// or a store in that step may not evict it, even as the only candidate.
+func TestHitStaysValidInStep(t *testing.T) {
+	tier := fake.NewTier(offload.ChunkLevel)
+	h := newHarness(t, 1, nil, tier)
+	local, remote := keys(1, 1)[0], keys(2, 1)[0]
+	w := h.newRequest("w")
+	h.m.Do(func(s *offload.Step) { h.store(s, w, []offload.Key{local}) })
+	h.step(func(s *offload.Step) {})
+	tier.Put(remote, h.block(remote))
+	req := h.newRequest("r")
+	h.step(func(s *offload.Step) {
+		if r := s.Lookup(local, req); r != offload.Hit {
+			t.Fatalf("lookup = %v, want hit", r)
+		}
+		if r := s.Lookup(remote, req); r != offload.Miss {
+			t.Errorf("a promotion that could only evict this step's hit answered %v, want miss", r)
+		}
+		if plan, err := s.PrepareStore(keys(3, 1), req); plan != nil || err != nil {
+			t.Errorf("a store that could only evict this step's hit got %+v, %v", plan, err)
+		}
+		if _, err := s.PrepareLoad([]offload.Key{local}, req); err != nil {
+			t.Errorf("PrepareLoad after the hit: %v", err)
+		}
+		s.CompleteLoad([]offload.Key{local}, req)
+	})
+	if r := h.lookups(req, []offload.Key{remote}); r[0] != offload.HitPending {
+		t.Errorf("in the next step the promotion answered %v, want hit_pending (evicting the old block)", r[0])
+	}
+}

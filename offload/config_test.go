@@ -1,0 +1,67 @@
+package offload
+
+import (
+	"errors"
+	"strings"
+	"testing"
+)
+
+// Every bad value is rejected with an error that names its key.
+func TestConfigValidate(t *testing.T) {
+	if c := DefaultConfig(); c.Validate() != nil {
+		t.Fatalf("default config invalid: %v", c.Validate())
+	}
+	tests := []struct {
+		key  string
+		edit func(c *Config)
+	}{
+		{"geometry.layers", func(c *Config) { c.Geometry.Layers = 0 }},
+		{"geometry.block_tokens", func(c *Config) { c.Geometry.BlockTokens = -1 }},
+		{"geometry.kv_heads", func(c *Config) { c.Geometry.KVHeads = 1 << 20 }},
+		{"geometry.head_dim", func(c *Config) { c.Geometry.HeadDim = 0 }},
+		{"geometry.dtype", func(c *Config) { c.Geometry.DType = "int4" }},
+		{"cpu_bytes", func(c *Config) { c.CPUBytes = 100 }},
+		{"cpu_policy", func(c *Config) { c.CPUPolicy = "fifo" }},
+		{"hash_seed", func(c *Config) { c.HashSeed = "" }},
+		{"hash_seed", func(c *Config) { c.HashSeed = strings.Repeat("x", MaxHashSeedLen+1) }},
+		{"admission", func(c *Config) { c.Admission = "sometimes" }},
+	}
+	for _, tt := range tests {
+		t.Run(tt.key, func(t *testing.T) {
+			c := DefaultConfig()
+			tt.edit(&c)
+			err := c.Validate()
+			if !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), tt.key+":") {
+				t.Errorf("Validate() = %v, want ErrConfig naming %q", err, tt.key)
+			}
+		})
+	}
+}
+
+func TestLoadConfig(t *testing.T) {
+	c, err := LoadConfig(strings.NewReader(`{"geometry": "tiny", "cpu_bytes": 1048576, "cpu_policy": "arc"}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.Geometry != Geometries["tiny"] || c.CPUPolicy != "arc" || c.Admission != "always" {
+		t.Errorf("loaded %+v", c)
+	}
+	if c.CPUSlots() != 1048576/c.slotStride() {
+		t.Errorf("slots %d", c.CPUSlots())
+	}
+	c, err = LoadConfig(strings.NewReader(`{"geometry": {"layers": 4, "block_tokens": 32, "kv_heads": 1, "head_dim": 64, "dtype": "fp32"}}`))
+	if err != nil || c.Geometry.Layers != 4 || c.Geometry.BlockBytes() != 4*2*32*64*4 {
+		t.Errorf("object geometry: %+v, %v", c.Geometry, err)
+	}
+	for _, bad := range []string{
+		`{"cpu_byts": 1}`,
+		`{"geometry": "huge"}`,
+		`{"geometry": {"layer": 1}}`,
+		`{"cpu_policy": "lfu"}`,
+		`{"cpu_bytes": "lots"}`,
+	} {
+		if _, err := LoadConfig(strings.NewReader(bad)); !errors.Is(err, ErrConfig) {
+			t.Errorf("LoadConfig(%s) = %v, want ErrConfig", bad, err)
+		}
+	}
+}

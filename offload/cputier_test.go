@@ -1,0 +1,351 @@
+package offload
+
+import (
+	"errors"
+	"math/rand/v2"
+	"slices"
+	"testing"
+	"time"
+)
+
+func newTestCPU(t *testing.T, slots int, policy string) *CPUTier {
+	t.Helper()
+	a, err := NewArena(slots, 64, ArenaOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { a.Close() })
+	p, err := NewPolicy(policy, slots)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return NewCPUTier(a, p)
+}
+
+func testKeys(n int) []Key {
+	ks := make([]Key, n)
+	for i := range ks {
+		ks[i] = NextKey(RootKey("test"), []uint32{uint32(i)})
+	}
+	return ks
+}
+
+var writer = RequestOwner("w")
+
+// S1.2: writing → ready → pinned, and only ready unpinned slots are evicted.
+func TestCPUTierStates(t *testing.T) {
+	for _, policy := range []string{"lru", "arc"} {
+		t.Run(policy, func(t *testing.T) {
+			c := newTestCPU(t, 2, policy)
+			ks := testKeys(4)
+			added, slots, _, ok := c.Reserve(ks[:2], writer)
+			if !ok || len(added) != 2 || slots[0] == slots[1] {
+				t.Fatalf("Reserve = %v %v %v", added, slots, ok)
+			}
+			if c.Lookup(ks[0]) != HitPending {
+				t.Errorf("writing key: %v, want hit_pending", c.Lookup(ks[0]))
+			}
+			if _, _, _, ok := c.Reserve(ks[2:3], writer); ok {
+				t.Error("evicted a writing slot")
+			}
+			c.Commit(ks[:2], writer, true)
+			if c.Lookup(ks[0]) != Hit {
+				t.Errorf("committed key: %v, want hit", c.Lookup(ks[0]))
+			}
+			if _, err := c.Pin(ks[:1], RequestOwner("r"), true); err != nil {
+				t.Fatal(err)
+			}
+			_, _, ev, ok := c.Reserve(ks[2:3], writer)
+			if !ok || len(ev) != 1 || ev[0] != ks[1] {
+				t.Fatalf("Reserve with one pinned slot evicted %v (ok %v), want the unpinned key", ev, ok)
+			}
+			if _, _, _, ok := c.Reserve(ks[3:4], writer); ok {
+				t.Error("evicted a pinned or writing slot")
+			}
+			if _, err := c.Unpin(ks[:1], RequestOwner("r")); err != nil {
+				t.Fatal(err)
+			}
+			// A key of the same batch is never evicted to make room for it.
+			if _, _, _, ok := c.Reserve([]Key{ks[0], ks[3]}, writer); ok {
+				t.Error("Reserve evicted a key of its own batch")
+			}
+			st := c.Stats()
+			if st.Used != 2 || st.Writing != 1 || st.Pinned != 0 || st.Evictions != 1 {
+				t.Errorf("stats %+v, want used 2, writing 1, pinned 0, evictions 1", st)
+			}
+		})
+	}
+}
+
+// S1.2: a failed write frees the slot; Commit ignores writes of other owners.
+func TestCPUTierCommit(t *testing.T) {
+	c := newTestCPU(t, 2, "lru")
+	ks := testKeys(2)
+	c.Reserve(ks, writer)
+	if done, _ := c.Commit(ks, RequestOwner("other"), true); len(done) != 0 {
+		t.Errorf("another owner committed %v", done)
+	}
+	c.Commit(ks[:1], writer, false)
+	if c.Lookup(ks[0]) != Miss || c.Lookup(ks[1]) != HitPending {
+		t.Errorf("after a failed write: %v %v, want miss, hit_pending", c.Lookup(ks[0]), c.Lookup(ks[1]))
+	}
+	if _, slots, _, _ := c.Reserve(ks[:1], writer); len(slots) != 1 {
+		t.Error("freed slot not reusable")
+	}
+}
+
+// S1.3: pins have owners, the audit lists old ones, forced releases count.
+func TestPinAudit(t *testing.T) {
+	c := newTestCPU(t, 4, "lru")
+	ks := testKeys(3)
+	c.Reserve(ks, writer)
+	c.Commit(ks, writer, true)
+	c.Pin(ks[:2], RequestOwner("a"), true)
+	c.Pin(ks[1:2], JobOwner(7), false)
+	all := c.Audit(0)
+	if len(all) != 3 {
+		t.Fatalf("audit lists %d pins, want 3", len(all))
+	}
+	owners := map[Owner]int{}
+	for _, p := range all {
+		owners[p.Owner]++
+	}
+	if owners[RequestOwner("a")] != 2 || owners[JobOwner(7)] != 1 {
+		t.Errorf("owners %v", owners)
+	}
+	if old := c.Audit(time.Hour); len(old) != 0 {
+		t.Errorf("pins older than an hour: %v", old)
+	}
+	if n := c.ReleaseOwner(RequestOwner("a")); n != 2 {
+		t.Errorf("ReleaseOwner removed %d pins, want 2", n)
+	}
+	if st := c.Stats(); st.ForcedReleases != 2 || st.Pinned != 1 {
+		t.Errorf("stats %+v, want forced releases 2, pinned 1", st)
+	}
+	if _, err := c.Unpin(ks[:1], JobOwner(7)); !errors.Is(err, ErrNotPinned) {
+		t.Errorf("unpin without a pin: %v", err)
+	}
+}
+
+// LRU: the least recently used evictable key goes first; eviction is
+// atomic.
+func TestLRUOrder(t *testing.T) {
+	p := newLRU()
+	ks := testKeys(4)
+	for _, k := range ks {
+		p.Insert(k)
+		p.SetEvictable(k, true)
+	}
+	p.Access(ks[0])
+	if got := p.Evict(5, nil); got != nil {
+		t.Errorf("evicting more than there is returned %v", got)
+	}
+	got := p.Evict(2, func(k Key) bool { return k == ks[1] })
+	if !slices.Equal(got, []Key{ks[2], ks[3]}) {
+		t.Errorf("evicted %v, want keys 2 and 3", got)
+	}
+}
+
+// ARC: a key used twice survives a scan of keys used once.
+func TestARCScanResistance(t *testing.T) {
+	p := newARC(4)
+	ks := testKeys(10)
+	add := func(k Key) {
+		p.Insert(k)
+		p.SetEvictable(k, true)
+	}
+	add(ks[0])
+	p.Access(ks[0]) // frequent
+	for _, k := range ks[1:4] {
+		add(k)
+	}
+	for _, k := range ks[4:8] { // a scan
+		v := p.Evict(1, nil)
+		if len(v) != 1 || v[0] == ks[0] {
+			t.Fatalf("scan evicted %v", v)
+		}
+		add(k)
+	}
+	if e := p.resident(ks[0]); e == nil {
+		t.Error("the frequently used key was evicted by a scan")
+	}
+}
+
+// Property: under random operations both policies evict only evictable,
+// unprotected, resident keys, exactly as many as asked or none.
+func TestPolicyProperty(t *testing.T) {
+	for _, name := range []string{"lru", "arc"} {
+		t.Run(name, func(t *testing.T) {
+			rng := rand.New(rand.NewPCG(1, 2))
+			p, _ := NewPolicy(name, 16)
+			ks := testKeys(40)
+			resident := map[Key]bool{} // value: evictable
+			for step := range 20000 {
+				k := ks[rng.IntN(len(ks))]
+				_, in := resident[k]
+				switch op := rng.IntN(5); {
+				case op == 0 && !in:
+					p.Insert(k)
+					resident[k] = false
+				case op == 1 && in:
+					ev := rng.IntN(2) == 0
+					p.SetEvictable(k, ev)
+					resident[k] = ev
+				case op == 2 && in:
+					p.Access(k)
+				case op == 3 && in:
+					p.Remove(k)
+					delete(resident, k)
+				case op == 4:
+					n := 1 + rng.IntN(3)
+					prot := ks[rng.IntN(len(ks))]
+					can := 0
+					for rk, ev := range resident {
+						if ev && rk != prot {
+							can++
+						}
+					}
+					got := p.Evict(n, func(k Key) bool { return k == prot })
+					if can < n {
+						if got != nil {
+							t.Fatalf("step %d: evicted %d with only %d candidates", step, len(got), can)
+						}
+						continue
+					}
+					if len(got) != n {
+						t.Fatalf("step %d: evicted %d, want %d (%d candidates)", step, len(got), n, can)
+					}
+					for _, v := range got {
+						if !resident[v] || v == prot {
+							t.Fatalf("step %d: evicted %v: evictable %v, protected %v", step, v, resident[v], v == prot)
+						}
+						delete(resident, v)
+					}
+				}
+			}
+		})
+	}
+}
+
+// Property: the CPU tier against a naive model — pinned and writing slots
+// are never evicted, slot counts add up, slots are never shared, and every
+// pin is released at the end.
+func TestCPUTierProperty(t *testing.T) {
+	for _, policy := range []string{"lru", "arc"} {
+		t.Run(policy, func(t *testing.T) {
+			const slots = 8
+			rng := rand.New(rand.NewPCG(3, 4))
+			c := newTestCPU(t, slots, policy)
+			ks := testKeys(24)
+			type state struct {
+				writing bool
+				pins    map[Owner]int
+			}
+			model := map[Key]*state{}
+			owners := []Owner{RequestOwner("a"), RequestOwner("b"), JobOwner(1)}
+			for step := range 20000 {
+				k := ks[rng.IntN(len(ks))]
+				o := owners[rng.IntN(len(owners))]
+				switch rng.IntN(4) {
+				case 0:
+					batch := []Key{k, ks[rng.IntN(len(ks))]}
+					added, _, evicted, ok := c.Reserve(batch, writer)
+					for _, e := range evicted {
+						s := model[e]
+						if s == nil || s.writing || len(s.pins) > 0 || slices.Contains(batch, e) {
+							t.Fatalf("step %d: evicted %v in state %+v", step, e, s)
+						}
+						delete(model, e)
+					}
+					if ok {
+						for _, a := range added {
+							model[a] = &state{writing: true, pins: map[Owner]int{}}
+						}
+					}
+				case 1:
+					done, _ := c.Commit([]Key{k}, writer, rng.IntN(4) > 0)
+					if s := model[k]; len(done) == 1 {
+						if c.Lookup(k) == Hit {
+							s.writing = false
+						} else {
+							delete(model, k)
+						}
+					}
+				case 2:
+					_, err := c.Pin([]Key{k}, o, true)
+					if s := model[k]; s != nil && !s.writing {
+						if err != nil {
+							t.Fatalf("step %d: pin of a ready key: %v", step, err)
+						}
+						s.pins[o]++
+					} else if err == nil {
+						t.Fatalf("step %d: pinned a key that is not ready", step)
+					}
+				case 3:
+					_, err := c.Unpin([]Key{k}, o)
+					if s := model[k]; s != nil && s.pins[o] > 0 {
+						if err != nil {
+							t.Fatalf("step %d: unpin: %v", step, err)
+						}
+						if s.pins[o]--; s.pins[o] == 0 {
+							delete(s.pins, o)
+						}
+					} else if err == nil {
+						t.Fatalf("step %d: unpinned a pin that does not exist", step)
+					}
+				}
+				flat := map[Key]modelKey{}
+				for k, s := range model {
+					n := 0
+					for _, c := range s.pins {
+						n += c
+					}
+					flat[k] = modelKey{writing: s.writing, pins: n}
+				}
+				checkCPUModel(t, c, step, flat)
+			}
+			for _, o := range owners {
+				c.ReleaseOwner(o)
+			}
+			if pins := c.Audit(0); len(pins) != 0 {
+				t.Errorf("pins left after releasing every owner: %v", pins)
+			}
+		})
+	}
+}
+
+type modelKey struct {
+	writing bool
+	pins    int
+}
+
+func checkCPUModel(t *testing.T, c *CPUTier, step int, model map[Key]modelKey) {
+	t.Helper()
+	st := c.Stats()
+	if st.Used != len(model) || st.Used > st.Slots {
+		t.Fatalf("step %d: used %d, model %d, slots %d", step, st.Used, len(model), st.Slots)
+	}
+	used := map[int]Key{}
+	writing, pinned := 0, 0
+	for k, m := range model {
+		want := Hit
+		if m.writing {
+			want = HitPending
+			writing++
+		}
+		if m.pins > 0 {
+			pinned++
+		}
+		if got := c.Lookup(k); got != want {
+			t.Fatalf("step %d: key %v is %v, model says %v", step, k, got, want)
+		}
+		s := c.Slot(k)
+		if other, dup := used[s]; dup {
+			t.Fatalf("step %d: slot %d holds %v and %v", step, s, k, other)
+		}
+		used[s] = k
+	}
+	if st.Writing != writing || st.Pinned != pinned {
+		t.Fatalf("step %d: stats %+v, model writing %d pinned %d", step, st, writing, pinned)
+	}
+}
