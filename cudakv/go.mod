@@ -1,5 +1,3 @@
 module github.com/kvtier/kvtier/cudakv
 
 go 1.26
-
-require golang.org/x/sys v0.50.0

@@ -2,13 +2,6 @@ module github.com/kvtier/kvtier/p2pd
 
 go 1.26
 
-require (
-	github.com/kvtier/kvtier/cudakv v0.0.0
-	github.com/kvtier/kvtier/nixlgo v0.0.0
-	github.com/kvtier/kvtier/offload v0.0.0
-	golang.org/x/sys v0.50.0
-)
-
 replace (
 	github.com/kvtier/kvtier/cudakv => ../cudakv
 	github.com/kvtier/kvtier/nixlgo => ../nixlgo

@@ -1,0 +1,118 @@
+// Package deps enforces the workspace's import direction: which module may
+// import which, where cgo may appear, and which outside modules exist.
+package deps
+
+import (
+	"bufio"
+	"go/parser"
+	"go/token"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+)
+
+const prefix = "github.com/kvtier/kvtier/"
+
+// allowed lists, per module, the other kvtier modules and outside
+// modules its code (tests included) may import; the standard library is
+// always allowed. ARCHITECTURE.md "Modules" is the source.
+var allowed = map[string][]string{
+	"offload": {"golang.org/x/sys"},
+	"nixlgo":  {},
+	"cudakv":  {"golang.org/x/sys"},
+	"ctl":     {},
+	"p2pd":    {prefix + "offload", prefix + "cudakv", prefix + "nixlgo", "golang.org/x/sys"},
+	"testing": {prefix + "offload", prefix + "cudakv", prefix + "nixlgo", prefix + "p2pd", prefix + "ctl", "golang.org/x/sys", "github.com/google/go-cmp"},
+}
+
+// cgo lists the modules that may import "C".
+var cgo = []string{"cudakv", "nixlgo"}
+
+func root(t *testing.T) string {
+	t.Helper()
+	dir, err := os.Getwd()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for {
+		if _, err := os.Stat(filepath.Join(dir, "go.work")); err == nil {
+			return dir
+		}
+		parent := filepath.Dir(dir)
+		if parent == dir {
+			t.Fatal("no go.work above the test's directory")
+		}
+		dir = parent
+	}
+}
+
+func stdlib(path string) bool {
+	first, _, _ := strings.Cut(path, "/")
+	return !strings.Contains(first, ".")
+}
+
+// TestImportDirection parses every Go file of every module, whatever its
+// build tags, and checks its imports against the rules above.
+func TestImportDirection(t *testing.T) {
+	top := root(t)
+	files := 0
+	for mod, allow := range allowed {
+		err := filepath.WalkDir(filepath.Join(top, mod), func(path string, d fs.DirEntry, err error) error {
+			if err != nil || d.IsDir() || !strings.HasSuffix(path, ".go") {
+				return err
+			}
+			f, err := parser.ParseFile(token.NewFileSet(), path, nil, parser.ImportsOnly)
+			if err != nil {
+				return err
+			}
+			files++
+			rel, _ := filepath.Rel(top, path)
+			for _, imp := range f.Imports {
+				p, _ := strconv.Unquote(imp.Path.Value)
+				switch {
+				case p == "C":
+					if !slices.Contains(cgo, mod) {
+						t.Errorf("%s imports \"C\": only %v may use cgo", rel, cgo)
+					}
+				case p == prefix+mod || strings.HasPrefix(p, prefix+mod+"/"), stdlib(p):
+				default:
+					if !slices.ContainsFunc(allow, func(a string) bool { return p == a || strings.HasPrefix(p, a+"/") }) {
+						t.Errorf("%s (module %s) imports %s; allowed: the standard library and %v", rel, mod, p, allow)
+					}
+				}
+			}
+			return nil
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	if files == 0 {
+		t.Fatal("no Go files found")
+	}
+}
+
+// TestOutsideModules: the only outside modules are x/sys and go-cmp.
+func TestOutsideModules(t *testing.T) {
+	f, err := os.Open(filepath.Join(root(t), "vendor", "modules.txt"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	want := []string{"github.com/google/go-cmp", "golang.org/x/sys"}
+	var got []string
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		if fields := strings.Fields(sc.Text()); len(fields) >= 3 && fields[0] == "#" && !strings.HasPrefix(fields[1], prefix) {
+			got = append(got, fields[1])
+		}
+	}
+	slices.Sort(got)
+	if !slices.Equal(got, want) {
+		t.Errorf("vendor/modules.txt lists outside modules %v, want exactly %v", got, want)
+	}
+}

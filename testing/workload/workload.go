@@ -1,0 +1,174 @@
+// Package workload drives an engine-like workload through the tiering
+// manager in one process: requests that share prefixes, blocks "computed"
+// deterministically from their keys in a host buffer standing in for GPU
+// memory, stores and loads through the manager's CPU tier, and a byte-for-
+// byte check of every block loaded back.
+package workload
+
+import (
+	"bytes"
+	"encoding/binary"
+	"fmt"
+	"math/rand/v2"
+	"time"
+
+	"github.com/kvtier/kvtier/offload"
+)
+
+// Spec describes the workload.
+type Spec struct {
+	Requests      int    // number of requests
+	Prefixes      int    // distinct shared prefixes
+	PrefixBlocks  int    // blocks in each shared prefix
+	PrivateBlocks int    // blocks of each request after its prefix
+	Seed          uint64 // picks which prefix each request uses
+}
+
+// Report says what happened.
+type Report struct {
+	Requests     int
+	Blocks       int // blocks looked up
+	Hits         int // loaded from the CPU tier
+	Computed     int // missed and computed
+	Unstored     int // computed but not stored (no evictable slot)
+	Verified     int // loaded blocks that matched their computed bytes
+	Mismatched   int // loaded blocks that did not
+	WorkingSet   int // distinct blocks
+	BytesLoaded  uint64
+	BytesStored  uint64
+	Elapsed      time.Duration
+	ManagerStats offload.Metrics
+}
+
+// Fill writes the deterministic contents of block k into b: what
+// "computing" the block produces on every node.
+func Fill(b []byte, k offload.Key) {
+	x := binary.LittleEndian.Uint64(k[:8]) | 1
+	i := 0
+	for ; i+8 <= len(b); i += 8 {
+		x ^= x << 13
+		x ^= x >> 7
+		x ^= x << 17
+		binary.LittleEndian.PutUint64(b[i:], x)
+	}
+	for ; i < len(b); i++ {
+		b[i] = byte(x >> (8 * (i % 8)))
+	}
+}
+
+// Run runs spec through m, one request at a time, each in engine steps:
+// look up the prefix, load the hits, compute the rest, store it.
+func Run(m *offload.Manager, spec Spec) (Report, error) {
+	rng := rand.New(rand.NewPCG(spec.Seed, 1))
+	bs := m.BlockBytes()
+	seed := m.Config().HashSeed
+	blockTokens := m.Config().Geometry.BlockTokens
+	perReq := spec.PrefixBlocks + spec.PrivateBlocks
+	gpu := make([]byte, perReq*bs) // the request's KV "on the GPU"
+	want := make([]byte, bs)
+	seen := map[offload.Key]bool{}
+	var rep Report
+	start := time.Now()
+	for r := range spec.Requests {
+		p := rng.IntN(spec.Prefixes)
+		tokens := make([]uint32, perReq*blockTokens)
+		for i := range tokens {
+			if i < spec.PrefixBlocks*blockTokens {
+				tokens[i] = uint32(p*1_000_003 + i)
+			} else {
+				tokens[i] = uint32(r*7_919 + i + 1<<30)
+			}
+		}
+		keys := offload.BlockKeys(seed, blockTokens, tokens)
+		for _, k := range keys {
+			seen[k] = true
+		}
+		req := &offload.Request{ID: fmt.Sprintf("req-%d", r)}
+		var err error
+		var hits int
+		// Step 1: register, look up the prefix, load the hits.
+		s := m.Begin()
+		if _, err = s.OnNewRequest(req); err != nil {
+			s.OnScheduleEnd()
+			return rep, err
+		}
+		for _, k := range keys {
+			if s.Lookup(k, req) != offload.Hit {
+				break
+			}
+			hits++
+		}
+		slots, err := s.PrepareLoad(keys[:hits], req)
+		s.OnScheduleEnd()
+		if err != nil {
+			return rep, err
+		}
+		// The "CPU → GPU" copy runs outside the lock, as a real engine's would.
+		for i, slot := range slots {
+			dst := gpu[i*bs : (i+1)*bs]
+			copy(dst, m.Arena().Slot(int(slot)))
+			Fill(want, keys[i])
+			if bytes.Equal(dst, want) {
+				rep.Verified++
+			} else {
+				rep.Mismatched++
+			}
+		}
+		rep.BytesLoaded += uint64(len(slots) * bs)
+		// Compute the missing blocks.
+		for i := hits; i < len(keys); i++ {
+			Fill(gpu[i*bs:(i+1)*bs], keys[i])
+		}
+		// Step 2: finish the load, reserve slots for the computed blocks.
+		var plan *offload.StorePlan
+		m.Do(func(s *offload.Step) {
+			if err = s.CompleteLoad(keys[:hits], req); err != nil {
+				return
+			}
+			plan, err = s.PrepareStore(keys[hits:], req)
+		})
+		if err != nil {
+			return rep, err
+		}
+		stored := 0
+		if plan != nil {
+			for i, k := range plan.Keys {
+				j := hits + indexOf(keys[hits:], k)
+				copy(m.Arena().Slot(int(plan.Slots[i])), gpu[j*bs:(j+1)*bs])
+			}
+			stored = len(plan.Keys)
+		}
+		rep.BytesStored += uint64(stored * bs)
+		m.Do(func(s *offload.Step) {
+			if plan != nil && len(plan.Keys) > 0 {
+				err = s.CompleteStore(plan.Keys, req, true)
+			}
+			if err == nil {
+				err = s.OnRequestFinished(req)
+			}
+		})
+		if err != nil {
+			return rep, err
+		}
+		rep.Requests++
+		rep.Blocks += len(keys)
+		rep.Hits += hits
+		rep.Computed += len(keys) - hits
+		if plan == nil {
+			rep.Unstored += len(keys) - hits
+		}
+	}
+	rep.Elapsed = time.Since(start)
+	rep.WorkingSet = len(seen)
+	rep.ManagerStats = m.Metrics()
+	return rep, nil
+}
+
+func indexOf(keys []offload.Key, k offload.Key) int {
+	for i, x := range keys {
+		if x == k {
+			return i
+		}
+	}
+	return -1
+}

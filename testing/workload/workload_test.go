@@ -1,0 +1,58 @@
+package workload
+
+import (
+	"testing"
+
+	"github.com/kvtier/kvtier/offload"
+)
+
+// The demo's workload on the tiny geometry: shared prefixes hit, a CPU
+// tier smaller than the working set evicts, and every block loaded back
+// equals the block that was stored.
+func TestRun(t *testing.T) {
+	for _, policy := range []string{"lru", "arc"} {
+		t.Run(policy, func(t *testing.T) {
+			cfg := offload.DefaultConfig()
+			cfg.Geometry = offload.Geometries["tiny"]
+			cfg.CPUHugePages = false
+			cfg.CPUPolicy = policy
+			cfg.CPUBytes = 24 * int64(cfg.Geometry.BlockBytes())
+			m, err := offload.New(cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer m.Close()
+			rep, err := Run(m, Spec{Requests: 60, Prefixes: 3, PrefixBlocks: 4, PrivateBlocks: 2, Seed: 5})
+			if err != nil {
+				t.Fatal(err)
+			}
+			st := rep.ManagerStats
+			if rep.Hits == 0 || rep.Mismatched != 0 || rep.Verified != rep.Hits {
+				t.Errorf("hits %d, verified %d, mismatched %d: want hits, all verified", rep.Hits, rep.Verified, rep.Mismatched)
+			}
+			if rep.WorkingSet <= st.CPU.Slots || st.CPU.Evictions == 0 {
+				t.Errorf("working set %d over %d slots gave %d evictions; want a working set larger than the tier and evictions", rep.WorkingSet, st.CPU.Slots, st.CPU.Evictions)
+			}
+			if rep.Hits+rep.Computed != rep.Blocks || rep.Blocks != 60*6 {
+				t.Errorf("blocks %d = hits %d + computed %d?", rep.Blocks, rep.Hits, rep.Computed)
+			}
+			if got := st.Tiers[0].ReadBytes; got != rep.BytesLoaded {
+				t.Errorf("manager counted %d bytes loaded, workload %d", got, rep.BytesLoaded)
+			}
+			if st.CPU.Pinned != 0 || st.CPU.Writing != 0 || st.Requests != 0 {
+				t.Errorf("left behind: %+v", st.CPU)
+			}
+		})
+	}
+}
+
+func TestFillDeterministic(t *testing.T) {
+	k := offload.BlockKeys("s", 1, []uint32{1, 2})
+	a, b, c := make([]byte, 61), make([]byte, 61), make([]byte, 61)
+	Fill(a, k[0])
+	Fill(b, k[0])
+	Fill(c, k[1])
+	if string(a) != string(b) || string(a) == string(c) {
+		t.Error("Fill must be a function of the key alone")
+	}
+}
