@@ -73,6 +73,7 @@ type pin struct {
 
 type cpuEntry struct {
 	slot    int32
+	hitAt   uint64 // stamp of the lock hold that last answered Hit
 	writing bool
 	writer  Owner     // while writing
 	since   time.Time // when the write was reserved
@@ -87,9 +88,9 @@ type CPUTier struct {
 	arena   *Arena
 	policy  Policy
 	entries map[Key]*cpuEntry
-	fresh   int32            // slots [fresh, N) have never been used
-	hits    map[Key]struct{} // answered Hit while the lock is held (S2.0)
-	free    []int32          // freed slots, reused last in first out
+	fresh   int32   // slots [fresh, N) have never been used
+	stamp   uint64  // current lock hold; see lookupProtect
+	free    []int32 // freed slots, reused last in first out
 	events  []Event
 
 	writing, pinned int
@@ -100,16 +101,29 @@ type CPUTier struct {
 
 // NewCPUTier returns an empty CPU tier over arena using policy.
 func NewCPUTier(arena *Arena, policy Policy) *CPUTier {
-	return &CPUTier{arena: arena, policy: policy, entries: make(map[Key]*cpuEntry), hits: make(map[Key]struct{})}
+	return &CPUTier{arena: arena, policy: policy, entries: make(map[Key]*cpuEntry), stamp: 1}
 }
 
-// ProtectHit keeps k from being evicted until ClearHits: a Hit answered in
-// a step stays valid until PrepareLoad in the same step (S2.0).
-func (c *CPUTier) ProtectHit(k Key) { c.hits[k] = struct{}{} }
+// lookupProtect is Lookup that also keeps a Hit from being evicted until
+// endHold: a Hit answered in a step stays valid until PrepareLoad in the
+// same step (S2.0).
+func (c *CPUTier) lookupProtect(k Key) Result {
+	e, ok := c.entries[k]
+	switch {
+	case !ok:
+		return Miss
+	case e.writing:
+		return HitPending
+	}
+	if e.hitAt != c.stamp {
+		e.hitAt = c.stamp
+	}
+	return Hit
+}
 
-// ClearHits ends the protection of ProtectHit; the manager calls it when it
-// releases its lock.
-func (c *CPUTier) ClearHits() { clear(c.hits) }
+// endHold ends the protection of every Hit answered since the last call;
+// the manager calls it when it releases its lock.
+func (c *CPUTier) endHold() { c.stamp++ }
 
 // Arena returns the tier's memory.
 func (c *CPUTier) Arena() *Arena { return c.arena }
@@ -139,8 +153,8 @@ func (c *CPUTier) freeSlots() int { return c.arena.Slots() - len(c.entries) }
 
 // Reserve allocates slots in the writing state, owned by writer, for the
 // keys of keys that are not resident, evicting ready unpinned blocks when
-// the free slots do not suffice. No key of keys, and no key protected by
-// ProtectHit, is evicted. It returns the
+// the free slots do not suffice. No key of keys, and no Hit answered since
+// the manager took its lock, is evicted. It returns the
 // new keys with their slots in input order and the evicted keys, or
 // ok=false and changes nothing when not enough blocks can be evicted.
 func (c *CPUTier) Reserve(keys []Key, writer Owner) (added []Key, slots []int32, evicted []Key, ok bool) {
@@ -154,8 +168,7 @@ func (c *CPUTier) Reserve(keys []Key, writer Owner) (added []Key, slots []int32,
 	}
 	if short := len(added) - c.freeSlots(); short > 0 {
 		evicted = c.policy.Evict(short, func(k Key) bool {
-			_, hit := c.hits[k]
-			return hit || slices.Contains(keys, k)
+			return c.entries[k].hitAt == c.stamp || slices.Contains(keys, k)
 		})
 		if evicted == nil {
 			return nil, nil, nil, false

@@ -171,7 +171,7 @@ func (m *Manager) Do(fn func(s *Step)) {
 // unlock releases the manager lock; the hits answered under it are no
 // longer protected from eviction.
 func (m *Manager) unlock() {
-	m.mu.cpu.ClearHits()
+	m.mu.cpu.endHold()
 	m.mu.Unlock()
 }
 
@@ -205,11 +205,8 @@ func (s *Step) Lookup(k Key, req *Request) Result {
 
 func (m *Manager) lookupLocked(k Key, req *Request, exclude int) Result {
 	c := &m.mu.counters
-	r := m.mu.cpu.Lookup(k)
+	r := m.mu.cpu.lookupProtect(k)
 	c.lookups[0][r]++
-	if r == Hit {
-		m.mu.cpu.ProtectHit(k)
-	}
 	if r != Miss {
 		return r
 	}
