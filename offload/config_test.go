@@ -20,6 +20,9 @@ func TestConfigValidate(t *testing.T) {
 		{"geometry.kv_heads", func(c *Config) { c.Geometry.KVHeads = 1 << 20 }},
 		{"geometry.head_dim", func(c *Config) { c.Geometry.HeadDim = 0 }},
 		{"geometry.dtype", func(c *Config) { c.Geometry.DType = "int4" }},
+		{"geometry", func(c *Config) {
+			c.Geometry = Geometry{Layers: 65536, BlockTokens: 65536, KVHeads: 65536, HeadDim: 65536, DType: "fp8"}
+		}},
 		{"cpu_bytes", func(c *Config) { c.CPUBytes = 100 }},
 		{"cpu_policy", func(c *Config) { c.CPUPolicy = "fifo" }},
 		{"hash_seed", func(c *Config) { c.HashSeed = "" }},
@@ -64,4 +67,24 @@ func TestLoadConfig(t *testing.T) {
 			t.Errorf("LoadConfig(%s) = %v, want ErrConfig", bad, err)
 		}
 	}
+}
+
+// FuzzLoadConfig: any input gives a valid config or an ErrConfig, never a
+// panic.
+func FuzzLoadConfig(f *testing.F) {
+	for _, seed := range []string{`{}`, `{"geometry": "tiny"}`, `{"geometry": {"layers": 1, "block_tokens": 1, "kv_heads": 1, "head_dim": 1, "dtype": "fp8"}}`,
+		`{"cpu_bytes": -1}`, `{"cpu_policy": "arc", "admission": "backpressure", "hash_seed": "x"}`, `[`, `{"geometry": 7}`,
+		`{"geometry": {"layers": 65536, "block_tokens": 65536, "kv_heads": 65536, "head_dim": 65536, "dtype": "fp8"}}`} {
+		f.Add(seed)
+	}
+	f.Fuzz(func(t *testing.T, in string) {
+		c, err := LoadConfig(strings.NewReader(in))
+		if err == nil {
+			if verr := c.Validate(); verr != nil {
+				t.Fatalf("LoadConfig accepted an invalid config: %v", verr)
+			}
+		} else if !errors.Is(err, ErrConfig) {
+			t.Fatalf("error %v is not ErrConfig", err)
+		}
+	})
 }

@@ -68,8 +68,12 @@ func (g Geometry) validate(prefix string) error {
 	if _, ok := dtypeSizes[g.DType]; !ok {
 		return fmt.Errorf("%w: %s.dtype: unknown dtype %q (want fp8, fp16, bf16 or fp32)", ErrConfig, prefix, g.DType)
 	}
-	if g.BlockBytes() > 1<<30 {
-		return fmt.Errorf("%w: %s: a block of %d bytes is larger than 1 GiB", ErrConfig, prefix, g.BlockBytes())
+	// Multiply step by step so that huge factors cannot overflow.
+	b := int64(1)
+	for _, f := range []int{g.Segments(), g.BlockTokens, g.KVHeads, g.HeadDim, dtypeSizes[g.DType]} {
+		if b *= int64(f); b > 1<<30 {
+			return fmt.Errorf("%w: %s: a block is larger than 1 GiB", ErrConfig, prefix)
+		}
 	}
 	return nil
 }

@@ -25,6 +25,7 @@ type Tier struct {
 	held    []*offload.Job
 	done    []offload.JobResult
 	calls   Calls
+	serve   func(p offload.Parent)
 }
 
 // Calls records what the manager asked of the tier.
@@ -271,6 +272,30 @@ func (t *Tier) Touch(keys []offload.Key, _ *offload.Request) {
 	t.calls.Touches = append(t.calls.Touches, slices.Clone(keys))
 }
 
+// OnServe makes the tier a Server: fn runs inside every Serve call.
+func (t *Tier) OnServe(fn func(p offload.Parent)) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.serve = fn
+}
+
+// Serve implements offload.Server. It runs the function set by OnServe
+// without holding the fake's own lock, so it may call back into the
+// manager (which calls the fake).
+func (t *Tier) Serve(p offload.Parent) {
+	t.mu.Lock()
+	fn := t.serve
+	t.calls.Serves++
+	t.mu.Unlock()
+	if fn != nil {
+		fn(p)
+	}
+}
+
+// Run performs a job the tier created through its Parent (a store job
+// for a peer) as if it had been submitted.
+func (t *Tier) Run(j *offload.Job) { t.submit(j, &t.calls.Stores) }
+
 // Pending implements offload.Pender: held jobs are outstanding work.
 func (t *Tier) Pending() bool {
 	t.mu.Lock()
@@ -283,4 +308,5 @@ var (
 	_ offload.RequestHooks = (*Tier)(nil)
 	_ offload.Toucher      = (*Tier)(nil)
 	_ offload.Pender       = (*Tier)(nil)
+	_ offload.Server       = (*Tier)(nil)
 )

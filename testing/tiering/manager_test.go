@@ -678,3 +678,74 @@ func TestHitStaysValidInStep(t *testing.T) {
 		t.Errorf("in the next step the promotion answered %v, want hit_pending (evicting the old block)", r[0])
 	}
 }
+
+// The Parent facade: inside Serve a tier registers an external request,
+// looks keys up without reaching itself, creates store jobs it owns (pins
+// released when it reports them) and finishes the request; the manager
+// never calls the tier's own request hooks for it.
+func TestParentFacade(t *testing.T) {
+	peer, other := fake.NewTier(offload.ChunkLevel), fake.NewTier(offload.ChunkLevel)
+	h := newHarness(t, 4, nil, peer, other)
+	ks := keys(1, 2)
+	w := h.newRequest("w")
+	h.m.Do(func(s *offload.Step) { h.store(s, w, ks[:1]) })
+	h.step(func(s *offload.Step) {})
+	remote := &offload.Request{ID: "peer:1"}
+	var answers []offload.Result
+	var job *offload.Job
+	peer.Hold(true)
+	peer.OnServe(func(p offload.Parent) {
+		peer.OnServe(nil) // once
+		if err := p.OnNewRequest(remote); err != nil {
+			t.Errorf("parent OnNewRequest: %v", err)
+		}
+		for _, k := range ks {
+			answers = append(answers, p.Lookup(k, remote))
+		}
+		var err error
+		if job, err = p.CreateStoreJob(ks[:1], remote); err != nil || job == nil {
+			t.Fatalf("CreateStoreJob = %v, %v", job, err)
+		}
+		peer.Run(job)
+		if err := p.OnRequestFinished(remote); err != nil {
+			t.Errorf("parent OnRequestFinished: %v", err)
+		}
+	})
+	peerLookups := peer.Calls().Lookups
+	h.step(func(s *offload.Step) {})
+	if diff := cmp.Diff([]offload.Result{offload.Hit, offload.Miss}, answers); diff != "" {
+		t.Errorf("parent lookups (-want +got):\n%s", diff)
+	}
+	if peer.Calls().Lookups != peerLookups {
+		t.Error("the serving tier's parent lookups reached the tier itself")
+	}
+	if other.Calls().Lookups == 0 {
+		t.Error("parent lookups did not ask the other tiers")
+	}
+	if job.Tier != 0 || slices.Contains(peer.Calls().New, remote) || slices.Contains(peer.Calls().Finished, remote) {
+		t.Errorf("job tier %d; the peer tier saw its own request hooks: new %v finished %v", job.Tier, peer.Calls().New, peer.Calls().Finished)
+	}
+	if !slices.Contains(other.Calls().Finished, remote) {
+		t.Error("other tiers were not told the external request finished")
+	}
+	if p := h.m.Audit(0); len(p) != 1 || p[0].Owner != offload.JobOwner(job.ID) {
+		t.Errorf("pins while the peer job runs: %v, want one owned by job %d", p, job.ID)
+	}
+	peer.Release(job.ID, true)
+	h.step(func(s *offload.Step) {})
+	if p := h.m.Audit(0); len(p) != 0 {
+		t.Errorf("pins after the peer job finished: %v", p)
+	}
+}
+
+// Touch reaches the CPU tier's recency and every tier that keeps its own.
+func TestTouch(t *testing.T) {
+	tier := fake.NewTier(offload.ChunkLevel)
+	h := newHarness(t, 4, nil, tier)
+	ks := keys(1, 2)
+	req := newReq("r")
+	h.m.Do(func(s *offload.Step) { s.Touch(ks, req) })
+	if diff := cmp.Diff([][]offload.Key{ks}, tier.Calls().Touches); diff != "" {
+		t.Errorf("tier touches (-want +got):\n%s", diff)
+	}
+}
