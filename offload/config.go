@@ -6,8 +6,10 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
 	"os"
 	"slices"
+	"time"
 )
 
 // Config configures a Manager. Keys are snake_case in JSON; docs/
@@ -29,6 +31,14 @@ type Config struct {
 	HashSeed string `json:"hash_seed"`
 	// Admission is "always" or "backpressure" (S2.7).
 	Admission string `json:"admission"`
+	// TierPollInterval is how often the poll goroutine services polled
+	// tiers while they have work only polling reveals (S3.1); ≤ 0 means no
+	// poll goroutine: every tier is serviced by engine steps only.
+	TierPollInterval Duration `json:"tier_poll_interval"`
+	// HitPendingTimeout bounds how long one (request, key) may answer
+	// HitPending; afterwards it answers Miss for the rest of the request
+	// (S4.1). Must be positive.
+	HitPendingTimeout Duration `json:"hit_pending_timeout"`
 	// Logger receives the manager's logs; nil discards them.
 	Logger *slog.Logger `json:"-"`
 }
@@ -44,6 +54,9 @@ func DefaultConfig() Config {
 		CPUHugePages: true,
 		HashSeed:     DefaultHashSeed,
 		Admission:    "always",
+
+		TierPollInterval:  Duration(time.Millisecond),
+		HitPendingTimeout: Duration(5 * time.Second),
 	}
 }
 
@@ -67,6 +80,9 @@ func (c *Config) Validate() error {
 	if !slices.Contains([]string{"always", "backpressure"}, c.Admission) {
 		return fmt.Errorf("%w: admission: unknown policy %q (want always or backpressure)", ErrConfig, c.Admission)
 	}
+	if c.HitPendingTimeout <= 0 {
+		return fmt.Errorf("%w: hit_pending_timeout: %v is not a positive duration", ErrConfig, time.Duration(c.HitPendingTimeout))
+	}
 	return nil
 }
 
@@ -82,15 +98,61 @@ func (c *Config) CPUSlots() int { return int(c.CPUBytes / int64(c.slotStride()))
 func (c *Config) Fingerprint() string { return Fingerprint(c.Geometry, c.HashSeed) }
 
 // LoadConfig reads a JSON config over the defaults and validates it.
-// Unknown keys are errors.
+// Unknown keys are errors; every error names the key concerned.
 func LoadConfig(r io.Reader) (Config, error) {
 	c := DefaultConfig()
-	dec := json.NewDecoder(r)
-	dec.DisallowUnknownFields()
-	if err := dec.Decode(&c); err != nil {
-		return c, fmt.Errorf("%w: %w", ErrConfig, err)
+	data, err := io.ReadAll(r)
+	if err != nil {
+		return c, fmt.Errorf("%w: reading: %w", ErrConfig, err)
+	}
+	if err := decodeStrict(data, &c); err != nil {
+		return c, fmt.Errorf("%w: %s", ErrConfig, nameKey(data, err))
 	}
 	return c, c.Validate()
+}
+
+func decodeStrict(data []byte, v any) error {
+	dec := json.NewDecoder(bytes.NewReader(data))
+	dec.DisallowUnknownFields()
+	return dec.Decode(v)
+}
+
+// nameKey finds the top-level key whose value alone fails to decode, so
+// that an error like "time: invalid duration" says which key it concerns.
+func nameKey(data []byte, err error) string {
+	var raw map[string]json.RawMessage
+	if json.Unmarshal(data, &raw) != nil {
+		return err.Error()
+	}
+	for _, k := range slices.Sorted(maps.Keys(raw)) {
+		one, _ := json.Marshal(map[string]json.RawMessage{k: raw[k]})
+		probe := DefaultConfig()
+		if e := decodeStrict(one, &probe); e != nil {
+			return k + ": " + e.Error()
+		}
+	}
+	return err.Error()
+}
+
+// Duration is a time.Duration written in JSON as a Go duration string
+// ("1ms", "5s").
+type Duration time.Duration
+
+// MarshalJSON writes d as a duration string.
+func (d Duration) MarshalJSON() ([]byte, error) { return json.Marshal(time.Duration(d).String()) }
+
+// UnmarshalJSON reads a duration string.
+func (d *Duration) UnmarshalJSON(b []byte) error {
+	var s string
+	if err := json.Unmarshal(b, &s); err != nil {
+		return fmt.Errorf("want a duration string such as \"5s\": %w", err)
+	}
+	v, err := time.ParseDuration(s)
+	if err != nil {
+		return err
+	}
+	*d = Duration(v)
+	return nil
 }
 
 // UnmarshalJSON accepts a preset name or an object.

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"strings"
 	"testing"
+	"time"
 )
 
 // Every bad value is rejected with an error that names its key.
@@ -28,6 +29,8 @@ func TestConfigValidate(t *testing.T) {
 		{"hash_seed", func(c *Config) { c.HashSeed = "" }},
 		{"hash_seed", func(c *Config) { c.HashSeed = strings.Repeat("x", MaxHashSeedLen+1) }},
 		{"admission", func(c *Config) { c.Admission = "sometimes" }},
+		{"hit_pending_timeout", func(c *Config) { c.HitPendingTimeout = 0 }},
+		{"hit_pending_timeout", func(c *Config) { c.HitPendingTimeout = Duration(-time.Second) }},
 	}
 	for _, tt := range tests {
 		t.Run(tt.key, func(t *testing.T) {
@@ -56,15 +59,25 @@ func TestLoadConfig(t *testing.T) {
 	if err != nil || c.Geometry.Layers != 4 || c.Geometry.BlockBytes() != 4*2*32*64*4 {
 		t.Errorf("object geometry: %+v, %v", c.Geometry, err)
 	}
-	for _, bad := range []string{
-		`{"cpu_byts": 1}`,
-		`{"geometry": "huge"}`,
-		`{"geometry": {"layer": 1}}`,
-		`{"cpu_policy": "lfu"}`,
-		`{"cpu_bytes": "lots"}`,
+	c, err = LoadConfig(strings.NewReader(`{"tier_poll_interval": "0s", "hit_pending_timeout": "250ms"}`))
+	if err != nil || c.TierPollInterval != 0 || time.Duration(c.HitPendingTimeout) != 250*time.Millisecond {
+		t.Errorf("durations: %v %v, %v", c.TierPollInterval, c.HitPendingTimeout, err)
+	}
+	for bad, key := range map[string]string{
+		`{"cpu_byts": 1}`:                 "cpu_byts",
+		`{"geometry": "huge"}`:            "geometry",
+		`{"geometry": {"layer": 1}}`:      "geometry",
+		`{"cpu_policy": "lfu"}`:           "cpu_policy",
+		`{"cpu_bytes": "lots"}`:           "cpu_bytes",
+		`{"hit_pending_timeout": "soon"}`: "hit_pending_timeout", // S4.6
+		`{"hit_pending_timeout": "-1s"}`:  "hit_pending_timeout",
+		`{"hit_pending_timeout": "0s"}`:   "hit_pending_timeout",
+		`{"tier_poll_interval": 5}`:       "tier_poll_interval",
+		`{"admission": "always", "x": 1}`: "x",
 	} {
-		if _, err := LoadConfig(strings.NewReader(bad)); !errors.Is(err, ErrConfig) {
-			t.Errorf("LoadConfig(%s) = %v, want ErrConfig", bad, err)
+		_, err := LoadConfig(strings.NewReader(bad))
+		if !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), key) {
+			t.Errorf("LoadConfig(%s) = %v, want ErrConfig naming %s", bad, err, key)
 		}
 	}
 }

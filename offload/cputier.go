@@ -64,6 +64,9 @@ type PinInfo struct {
 	Slot  int
 	Owner Owner
 	Age   time.Duration
+	// Detached: the block was removed by a cache reset; the pin only
+	// keeps its slot from being reused.
+	Detached bool
 }
 
 type pin struct {
@@ -88,10 +91,14 @@ type CPUTier struct {
 	arena   *Arena
 	policy  Policy
 	entries map[Key]*cpuEntry
-	fresh   int32   // slots [fresh, N) have never been used
-	stamp   uint64  // current lock hold; see lookupProtect
-	free    []int32 // freed slots, reused last in first out
-	events  []Event
+	fresh   int32  // slots [fresh, N) have never been used
+	stamp   uint64 // current lock hold; see lookupProtect
+	// detached holds entries that Reset removed while a writer or a reader
+	// still held them: their slots are not reused until released.
+	detached  map[Key][]*cpuEntry
+	ndetached int
+	free      []int32 // freed slots, reused last in first out
+	events    []Event
 
 	writing, pinned int
 	evictions       uint64
@@ -149,7 +156,7 @@ func (c *CPUTier) Slot(k Key) int {
 	return -1
 }
 
-func (c *CPUTier) freeSlots() int { return c.arena.Slots() - len(c.entries) }
+func (c *CPUTier) freeSlots() int { return c.arena.Slots() - len(c.entries) - c.ndetached }
 
 // Reserve allocates slots in the writing state, owned by writer, for the
 // keys of keys that are not resident, evicting ready unpinned blocks when
@@ -213,6 +220,13 @@ func (c *CPUTier) Commit(keys []Key, writer Owner, ok bool) (done []Key, took ti
 	for _, k := range keys {
 		e, found := c.entries[k]
 		if !found || !e.writing || e.writer != writer {
+			c.releaseDetached(k, func(d *cpuEntry) bool {
+				if d.writing && d.writer == writer {
+					d.writing = false
+					return true
+				}
+				return false
+			})
 			continue
 		}
 		done = append(done, k)
@@ -274,7 +288,9 @@ func (c *CPUTier) Unpin(keys []Key, owner Owner) (time.Duration, error) {
 			i = slices.IndexFunc(e.pins, func(p pin) bool { return p.owner == owner })
 		}
 		if i < 0 {
-			missing = append(missing, k)
+			if !c.releaseDetached(k, func(d *cpuEntry) bool { return dropPin(d, owner) }) {
+				missing = append(missing, k)
+			}
 			continue
 		}
 		held = max(held, now.Sub(e.pins[i].since))
@@ -307,8 +323,78 @@ func (c *CPUTier) ReleaseOwner(owner Owner) int {
 			}
 		}
 	}
+	for k, list := range c.detached {
+		for _, d := range slices.Clone(list) {
+			for dropPin(d, owner) {
+				n++
+			}
+			c.freeDetached(k, d)
+		}
+	}
 	c.forcedReleases += uint64(n)
 	return n
+}
+
+// dropPin removes one pin of owner from d.
+func dropPin(d *cpuEntry, owner Owner) bool {
+	i := slices.IndexFunc(d.pins, func(p pin) bool { return p.owner == owner })
+	if i < 0 {
+		return false
+	}
+	d.pins = slices.Delete(d.pins, i, i+1)
+	return true
+}
+
+// releaseDetached applies release to the first detached entry of k it
+// accepts, frees that entry's slot once nobody holds it, and reports
+// whether any entry accepted.
+func (c *CPUTier) releaseDetached(k Key, release func(*cpuEntry) bool) bool {
+	for _, d := range c.detached[k] {
+		if release(d) {
+			c.freeDetached(k, d)
+			return true
+		}
+	}
+	return false
+}
+
+// freeDetached frees d's slot if no writer or reader holds it any more.
+func (c *CPUTier) freeDetached(k Key, d *cpuEntry) {
+	if d.writing || len(d.pins) > 0 {
+		return
+	}
+	c.detached[k] = slices.DeleteFunc(c.detached[k], func(x *cpuEntry) bool { return x == d })
+	if len(c.detached[k]) == 0 {
+		delete(c.detached, k)
+	}
+	c.ndetached--
+	c.free = append(c.free, d.slot)
+}
+
+// Reset empties the tier (a cache reset, S5.1): every block is removed
+// with one removal event. Blocks that a writer or a reader still holds
+// become detached: invisible to lookups, their slots kept from reuse until
+// the holder completes, unpins or is released.
+func (c *CPUTier) Reset() {
+	var removed []Key
+	for k, e := range c.entries {
+		removed = append(removed, k)
+		c.policy.Remove(k)
+		if e.writing || len(e.pins) > 0 {
+			if c.detached == nil {
+				c.detached = make(map[Key][]*cpuEntry)
+			}
+			c.detached[k] = append(c.detached[k], e)
+			c.ndetached++
+			continue
+		}
+		c.free = append(c.free, e.slot)
+	}
+	clear(c.entries)
+	c.writing, c.pinned = 0, 0
+	if len(removed) > 0 {
+		c.events = append(c.events, Event{Tier: "cpu", Keys: removed, Removed: true})
+	}
 }
 
 // Touch marks keys as recently used, the first key most recently.
@@ -328,6 +414,15 @@ func (c *CPUTier) Audit(olderThan time.Duration) []PinInfo {
 		for _, p := range e.pins {
 			if age := now.Sub(p.since); age >= olderThan {
 				out = append(out, PinInfo{Key: k, Slot: int(e.slot), Owner: p.owner, Age: age})
+			}
+		}
+	}
+	for k, list := range c.detached {
+		for _, d := range list {
+			for _, p := range d.pins {
+				if age := now.Sub(p.since); age >= olderThan {
+					out = append(out, PinInfo{Key: k, Slot: int(d.slot), Owner: p.owner, Age: age, Detached: true})
+				}
 			}
 		}
 	}
@@ -354,6 +449,9 @@ type CPUStats struct {
 	ForcedReleases uint64 `json:"forced_releases"`
 	StoredBytes    uint64 `json:"stored_bytes"`
 	Policy         string `json:"policy"`
+	// Detached counts slots a cache reset removed while a transfer still
+	// held them; they are reused once released.
+	Detached int `json:"detached"`
 }
 
 // Stats returns the tier's occupancy and counters.
@@ -361,6 +459,6 @@ func (c *CPUTier) Stats() CPUStats {
 	return CPUStats{
 		Slots: c.arena.Slots(), Used: len(c.entries), Writing: c.writing, Pinned: c.pinned,
 		Evictions: c.evictions, ForcedReleases: c.forcedReleases, StoredBytes: c.storedBytes,
-		Policy: c.policy.Name(),
+		Policy: c.policy.Name(), Detached: c.ndetached,
 	}
 }

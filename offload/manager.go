@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -21,9 +22,17 @@ type Manager struct {
 	specs      []TierSpec
 	progress   chan struct{}
 
+	pollInterval time.Duration
+	hitTimeout   time.Duration
+	wake         chan struct{} // wakes the poll goroutine
+	stop         chan struct{} // closed by Close
+	pollDone     chan struct{} // closed when the poll goroutine returned
+	pollAlive    atomic.Bool
+
 	mu struct {
 		sync.Mutex
 		closed    bool
+		resetting bool
 		cpu       *CPUTier
 		tiers     []Tier
 		admission Admission
@@ -34,6 +43,9 @@ type Manager struct {
 		reqs      map[string]*reqState
 		parked    []*reqState // requests with parked cascade keys, in order
 		counters  counters
+
+		deadlineTimer *time.Timer // fires at deadlineAt, the nearest HitPending deadline
+		deadlineAt    time.Time
 	}
 }
 
@@ -44,6 +56,10 @@ type reqState struct {
 	requestLevel  []int // tiers that asked for RequestLevel, ascending
 	parked        []Key // cascade keys still writing in the CPU tier
 	sources       map[Key]int
+	// deadlines holds, per key that answered HitPending, when it turns
+	// into a stable Miss (S4.1); expired holds the keys that did.
+	deadlines map[Key]time.Time
+	expired   map[Key]struct{}
 }
 
 // StorePlan is the answer to PrepareStore: the keys that need storing, the
@@ -66,7 +82,8 @@ func New(cfg Config, specs ...TierSpec) (*Manager, error) {
 		log = slog.New(slog.DiscardHandler)
 	}
 	m := &Manager{cfg: cfg, log: log, blockBytes: cfg.Geometry.BlockBytes(), specs: slices.Clone(specs),
-		progress: make(chan struct{}, 1)}
+		progress: make(chan struct{}, 1), wake: make(chan struct{}, 1), stop: make(chan struct{}),
+		pollInterval: time.Duration(cfg.TierPollInterval), hitTimeout: time.Duration(cfg.HitPendingTimeout)}
 	for i, s := range specs {
 		if s.Name == "" || s.New == nil {
 			return nil, fmt.Errorf("%w: tier %d: a tier needs a name and a constructor", ErrConfig, i)
@@ -100,8 +117,10 @@ func New(cfg Config, specs ...TierSpec) (*Manager, error) {
 	m.mu.jobs = make(map[uint64]*Job)
 	m.mu.reqs = make(map[string]*reqState)
 	m.mu.counters = newCounters(len(specs))
+	polling := m.pollInterval > 0 && slices.ContainsFunc(specs, func(s TierSpec) bool { return s.Polled })
+	m.pollAlive.Store(polling)
 	for i, s := range specs {
-		t, err := s.New(TierEnv{Index: i, Wake: m.signalProgress, Arena: arena, Logger: log.With("tier", s.Name)})
+		t, err := s.New(TierEnv{Index: i, Wake: m.wakeFor(i), Arena: arena, Logger: log.With("tier", s.Name)})
 		if err != nil {
 			err = fmt.Errorf("offload: creating tier %d (%s): %w", i, s.Name, err)
 			m.mu.closed = true
@@ -109,7 +128,30 @@ func New(cfg Config, specs ...TierSpec) (*Manager, error) {
 		}
 		m.mu.tiers = append(m.mu.tiers, t)
 	}
+	if polling {
+		m.pollDone = make(chan struct{})
+		go m.pollLoop()
+	}
 	return m, nil
+}
+
+// wakeFor returns tier i's Wake: a polled tier wakes the poll goroutine
+// while it runs; otherwise the engine is woken to step (S2.10).
+func (m *Manager) wakeFor(i int) func() {
+	return func() {
+		if m.specs[i].Polled && m.pollAlive.Load() {
+			signal(m.wake)
+			return
+		}
+		signal(m.progress)
+	}
+}
+
+func signal(c chan struct{}) {
+	select {
+	case c <- struct{}{}:
+	default:
+	}
 }
 
 // Arena returns the CPU tier's memory, for registering it with a GPU or
@@ -128,12 +170,7 @@ func (m *Manager) BlockBytes() int { return m.blockBytes }
 // it. It has one slot: several signals may arrive as one.
 func (m *Manager) Progress() <-chan struct{} { return m.progress }
 
-func (m *Manager) signalProgress() {
-	select {
-	case m.progress <- struct{}{}:
-	default:
-	}
-}
+func (m *Manager) signalProgress() { signal(m.progress) }
 
 // Step is the manager with its lock held: the scheduling phase of an engine
 // step (from Begin) or one call made outside a step (inside Do). A Step is
@@ -149,7 +186,7 @@ func (m *Manager) Begin() *Step {
 	m.mu.Lock()
 	s := &Step{m: m}
 	if !m.mu.closed {
-		m.collectLocked()
+		m.collectLocked(nil)
 	}
 	return s
 }
@@ -204,6 +241,26 @@ func (s *Step) Lookup(k Key, req *Request) Result {
 }
 
 func (m *Manager) lookupLocked(k Key, req *Request, exclude int) Result {
+	st := m.mu.reqs[req.ID]
+	if st != nil && st.req != req {
+		st = nil
+	}
+	if st != nil && st.expired != nil {
+		if _, ok := st.expired[k]; ok {
+			return Miss // S4.1: stable after the deadline, no new promotion
+		}
+	}
+	if m.mu.resetting {
+		return Miss // S5.1: nothing new starts while the cache resets
+	}
+	r := m.lookupTiersLocked(k, req, exclude)
+	if st != nil {
+		r = m.trackPendingLocked(st, k, r)
+	}
+	return r
+}
+
+func (m *Manager) lookupTiersLocked(k Key, req *Request, exclude int) Result {
 	c := &m.mu.counters
 	r := m.mu.cpu.lookupProtect(k)
 	c.lookups[0][r]++
@@ -242,7 +299,7 @@ func (m *Manager) lookupLocked(k Key, req *Request, exclude int) Result {
 // promoteLocked reserves a CPU slot for k and queues it on the (tier, req)
 // promotion of this pass.
 func (m *Manager) promoteLocked(tier int, k Key, req *Request) bool {
-	if !m.mu.admission.Admit(tier, 1, true) {
+	if m.mu.resetting || !m.mu.admission.Admit(tier, 1, true) {
 		return false
 	}
 	i := slices.IndexFunc(m.mu.pending, func(j *Job) bool { return j.Tier == tier && j.Req == req })
@@ -287,6 +344,15 @@ func (m *Manager) flushPromotionsLocked() {
 		j.Submitted = now
 		m.mu.jobs[j.ID] = j
 		m.mu.tiers[j.Tier].SubmitLoad(j)
+		m.submitted(j.Tier)
+	}
+}
+
+// submitted starts the poll goroutine polling a polled tier that was just
+// given a job: its completion may show only to polling (S3.1).
+func (m *Manager) submitted(tier int) {
+	if m.specs[tier].Polled && m.pollAlive.Load() {
+		signal(m.wake)
 	}
 }
 
@@ -361,6 +427,9 @@ func (s *Step) PrepareStore(keys []Key, req *Request) (*StorePlan, error) {
 		m.misuseLocked("prepare store", "unknown_request", err)
 		return nil, err
 	}
+	if m.mu.resetting {
+		return nil, nil // S5.1: nothing new starts while the cache resets
+	}
 	added, slots, evicted, ok := m.mu.cpu.Reserve(keys, RequestOwner(req.ID))
 	if !ok {
 		return nil, nil
@@ -425,6 +494,7 @@ func (m *Manager) cascadeLocked(keys []Key, req *Request, tier int) {
 		return
 	}
 	m.mu.tiers[tier].SubmitStore(j)
+	m.submitted(tier)
 }
 
 // CreateStoreJob pins keys, which must be ready, for a cascade to tier and
@@ -440,12 +510,13 @@ func (s *Step) CreateStoreJob(keys []Key, req *Request, tier int) (*Job, error) 
 	j, err := s.m.createStoreJobLocked(keys, req, tier)
 	if j != nil {
 		s.m.mu.tiers[tier].SubmitStore(j)
+		s.m.submitted(tier)
 	}
 	return j, err
 }
 
 func (m *Manager) createStoreJobLocked(keys []Key, req *Request, tier int) (*Job, error) {
-	if len(keys) == 0 || !m.mu.admission.Admit(tier, len(keys), false) {
+	if len(keys) == 0 || m.mu.resetting || !m.mu.admission.Admit(tier, len(keys), false) {
 		return nil, nil
 	}
 	id := m.mu.nextJob
@@ -547,6 +618,7 @@ func (m *Manager) onRequestFinishedLocked(req *Request, exclude int) error {
 		return err
 	}
 	st.finished = true
+	st.deadlines, st.expired = nil, nil // S4.3
 	m.maybeFinalizeLocked(st, exclude)
 	return nil
 }
@@ -619,21 +691,27 @@ func (s *Step) OnScheduleEnd() {
 // serviceLocked is one pass over the tiers: results, peer requests,
 // promotions and parked cascades.
 func (m *Manager) serviceLocked() {
-	m.collectLocked()
+	m.collectLocked(nil)
 	for i, t := range m.mu.tiers {
 		if srv, ok := t.(Server); ok {
-			srv.Serve(&parent{m: m, tier: i})
+			if err := srv.Serve(&parent{m: m, tier: i}); err != nil {
+				m.log.Warn("offload: tier failed serving", "tier", m.specs[i].Name, "err", err)
+			}
 		}
 	}
-	m.collectLocked()
+	m.collectLocked(nil)
 	m.flushPromotionsLocked()
 	m.flushParkedLocked()
 }
 
-// collectLocked applies the results every tier reported.
-func (m *Manager) collectLocked() {
+// collectLocked applies the results the tiers reported: every tier, or
+// those for which only returns true.
+func (m *Manager) collectLocked(only func(tier int) bool) {
 	got := false
 	for i, t := range m.mu.tiers {
+		if only != nil && !only(i) {
+			continue
+		}
 		for _, r := range t.Finished() {
 			m.applyResultLocked(i, r)
 			got = true
@@ -702,20 +780,50 @@ func (m *Manager) applyResultLocked(tier int, r JobResult) {
 }
 
 // HasPendingWork reports whether the engine must keep stepping although it
-// has nothing to schedule: jobs in flight, promotions queued, parked
-// cascades, or a tier with outstanding work.
+// has nothing to schedule (S3.4). While the poll goroutine is alive, work
+// of polled tiers does not count: that goroutine services it. It counts:
+// parked cascades; jobs, queued promotions and pending work of tiers that
+// are not polled (or of every tier when no poll goroutine runs); a
+// keep-alive while a tier that serves outside requests has no poll
+// goroutine; and a keep-alive when more than one secondary tier is
+// configured and one of them is not polled.
 func (m *Manager) HasPendingWork() bool {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	if len(m.mu.jobs) > 0 || len(m.mu.pending) > 0 || len(m.mu.parked) > 0 {
+	if m.mu.closed {
+		return false
+	}
+	alive := m.pollAlive.Load()
+	byPoll := func(tier int) bool { return alive && m.specs[tier].Polled }
+	if len(m.mu.parked) > 0 {
 		return true
 	}
-	for _, t := range m.mu.tiers {
-		if p, ok := t.(Pender); ok && p.Pending() {
+	for _, j := range m.mu.jobs {
+		if !byPoll(j.Tier) {
 			return true
 		}
 	}
-	return false
+	for _, j := range m.mu.pending {
+		if !byPoll(j.Tier) {
+			return true
+		}
+	}
+	unpolled := false
+	for i, t := range m.mu.tiers {
+		if byPoll(i) {
+			continue
+		}
+		if p, ok := t.(Pender); ok && p.Pending() {
+			return true
+		}
+		if _, ok := t.(Server); ok && m.specs[i].Polled {
+			return true // serves peers, and only engine steps service it now
+		}
+		if !m.specs[i].Polled {
+			unpolled = true
+		}
+	}
+	return unpolled && len(m.mu.tiers) > 1
 }
 
 // TakeEvents returns the stored and removed events since the last call:
@@ -744,11 +852,23 @@ func (m *Manager) Audit(olderThan time.Duration) []PinInfo {
 // still touch it. Close is idempotent.
 func (m *Manager) Close() error {
 	m.mu.Lock()
-	defer m.mu.Unlock()
 	if m.mu.closed {
+		m.mu.Unlock()
 		return nil
 	}
 	m.mu.closed = true
+	if m.mu.deadlineTimer != nil {
+		m.mu.deadlineTimer.Stop()
+	}
+	m.mu.Unlock()
+	// Stop the poll goroutine before any tier closes (it may be waiting
+	// for the lock, so it is joined without holding it).
+	close(m.stop)
+	if m.pollDone != nil {
+		<-m.pollDone
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
 	return m.closeLocked()
 }
 
@@ -781,10 +901,19 @@ func (p *parent) OnNewRequest(req *Request) error {
 	return err
 }
 
-func (p *parent) Lookup(k Key, req *Request) Result { return p.m.lookupLocked(k, req, p.tier) }
+func (p *parent) Lookup(k Key, req *Request) Result {
+	if p.m.mu.resetting {
+		return Miss // S5.1: peer lookups answer Miss while the cache resets
+	}
+	return p.m.lookupLocked(k, req, p.tier)
+}
 
 func (p *parent) CreateStoreJob(keys []Key, req *Request) (*Job, error) {
-	return p.m.createStoreJobLocked(keys, req, p.tier)
+	j, err := p.m.createStoreJobLocked(keys, req, p.tier)
+	if j != nil {
+		p.m.submitted(p.tier)
+	}
+	return j, err
 }
 
 func (p *parent) OnRequestFinished(req *Request) error {

@@ -41,6 +41,10 @@ type counters struct {
 	xfer                   [][2]xferCounter // same index; by direction
 	jobFailures            [][2]uint64      // secondary tier i; [dirRead] promotions, [dirWrite] cascades
 	promotionAllocFailures uint64
+	hitPendingTimeouts     uint64
+	pollErrors             uint64
+	pollBackoffs           uint64
+	resets                 uint64
 	errors                 map[string]uint64
 }
 
@@ -69,6 +73,17 @@ type Metrics struct {
 	PromotionAllocFailures uint64 `json:"promotion_alloc_failures"`
 	// Errors counts refused misuse by reason (unknown_job, not_ready, …).
 	Errors map[string]uint64 `json:"errors"`
+	// HitPendingTimeouts counts (request, key) pairs whose HitPending
+	// deadline expired (S4.4).
+	HitPendingTimeouts uint64 `json:"hit_pending_timeouts"`
+	// Poll is the poll goroutine's state: running, stopped or disabled.
+	Poll string `json:"poll"`
+	// PollErrors counts failed poll passes (errors or panics from tiers);
+	// PollBackoffs the backoff waits they caused (S3.3).
+	PollErrors   uint64 `json:"poll_errors"`
+	PollBackoffs uint64 `json:"poll_backoffs"`
+	// Resets counts completed cache resets.
+	Resets uint64 `json:"resets"`
 }
 
 // CPUMetrics describes the CPU tier and its arena.
@@ -94,6 +109,8 @@ type TierMetrics struct {
 	ActivePromotions  int             `json:"active_promotions"`
 	ActiveCascades    int             `json:"active_cascades"`
 	Backpressure      *AdmissionStats `json:"backpressure,omitempty"`
+	// Stats are the tier's own metrics (StatsReporter).
+	Stats []Stat `json:"stats,omitempty"`
 }
 
 // Metrics returns a snapshot of the manager's metrics.
@@ -108,6 +125,11 @@ func (m *Manager) Metrics() Metrics {
 		Requests:               len(m.mu.reqs),
 		PromotionAllocFailures: c.promotionAllocFailures,
 		Errors:                 maps.Clone(c.errors),
+		HitPendingTimeouts:     c.hitPendingTimeouts,
+		Poll:                   m.pollState(),
+		PollErrors:             c.pollErrors,
+		PollBackoffs:           c.pollBackoffs,
+		Resets:                 c.resets,
 	}
 	for i := range c.lookups {
 		t := TierMetrics{Name: "cpu", Lookups: make(map[string]uint64, 4)}
@@ -123,6 +145,9 @@ func (m *Manager) Metrics() Metrics {
 			if st, ok := m.mu.admission.Stats(i - 1); ok {
 				t.Backpressure = &st
 			}
+			if r, ok := m.mu.tiers[i-1].(StatsReporter); ok {
+				t.Stats = r.Stats()
+			}
 		}
 		out.Tiers = append(out.Tiers, t)
 	}
@@ -134,6 +159,17 @@ func (m *Manager) Metrics() Metrics {
 		}
 	}
 	return out
+}
+
+// pollState says whether the poll goroutine runs.
+func (m *Manager) pollState() string {
+	switch {
+	case m.pollDone == nil:
+		return "disabled"
+	case m.pollAlive.Load():
+		return "running"
+	}
+	return "stopped"
 }
 
 // ExpvarFunc publishes the manager's metrics through expvar, for main:
@@ -179,6 +215,16 @@ func (s Metrics) WritePrometheus(w io.Writer) error {
 	}
 	p.family("kv_offload_tiering_requests", "gauge", "Requests the manager tracks.")
 	p.sample(float64(s.Requests))
+	p.family("kv_offload_tiering_hit_pending_timeouts_total", "counter", "Request and key pairs whose hit_pending deadline expired.")
+	p.sample(float64(s.HitPendingTimeouts))
+	p.family("kv_offload_tiering_poll_running", "gauge", "1 while the tier-poll goroutine runs.")
+	p.sample(map[bool]float64{true: 1}[s.Poll == "running"])
+	p.family("kv_offload_tiering_poll_errors_total", "counter", "Failed tier-poll passes (errors or panics from tiers).")
+	p.sample(float64(s.PollErrors))
+	p.family("kv_offload_tiering_poll_backoffs_total", "counter", "Backoff waits of the tier-poll goroutine.")
+	p.sample(float64(s.PollBackoffs))
+	p.family("kv_offload_tiering_resets_total", "counter", "Completed cache resets.")
+	p.sample(float64(s.Resets))
 	var bp []TierMetrics
 	for _, t := range secondary {
 		if t.Backpressure != nil {
@@ -207,6 +253,30 @@ func (s Metrics) WritePrometheus(w io.Writer) error {
 			p.sample(float64(t.Backpressure.DroppedBlocks), "tier", t.Name)
 		}
 	}
+	type family struct {
+		typ, help string
+		samples   []float64
+		tiers     []string
+	}
+	fams := map[string]*family{}
+	for _, t := range secondary {
+		for _, st := range t.Stats {
+			f := fams[st.Name]
+			if f == nil {
+				f = &family{typ: st.Type, help: st.Help}
+				fams[st.Name] = f
+			}
+			f.samples = append(f.samples, st.Value)
+			f.tiers = append(f.tiers, t.Name)
+		}
+	}
+	for _, name := range slices.Sorted(maps.Keys(fams)) {
+		f := fams[name]
+		p.family(name, f.typ, f.help)
+		for i, v := range f.samples {
+			p.sample(v, "tier", f.tiers[i])
+		}
+	}
 	c := s.CPU
 	for _, g := range []struct {
 		name, typ, help string
@@ -218,6 +288,7 @@ func (s Metrics) WritePrometheus(w io.Writer) error {
 		{"kv_offload_cpu_slots_pinned", "gauge", "CPU slots with at least one pin.", float64(c.Pinned)},
 		{"kv_offload_cpu_evictions_total", "counter", "Blocks evicted from the CPU tier.", float64(c.Evictions)},
 		{"kv_offload_cpu_forced_releases_total", "counter", "Pins released by an abort instead of their owner.", float64(c.ForcedReleases)},
+		{"kv_offload_cpu_slots_detached", "gauge", "Slots a cache reset removed while a transfer still held them.", float64(c.Detached)},
 		{"kv_offload_cpu_arena_bytes", "gauge", "Size of the CPU arena mapping.", float64(c.ArenaBytes)},
 		{"kv_offload_cpu_lock_requested_bytes", "gauge", "Arena bytes asked to be locked in RAM.", float64(c.LockRequestedBytes)},
 		{"kv_offload_cpu_locked_bytes", "gauge", "Arena bytes actually locked in RAM.", float64(c.LockedBytes)},

@@ -1,7 +1,6 @@
 package offload
 
 import (
-	"context"
 	"log/slog"
 	"time"
 )
@@ -35,8 +34,9 @@ type (
 	}
 	// Server is implemented by tiers that serve requests from outside the
 	// engine (peers): Serve runs under the manager lock with a facade that
-	// is valid only during the call.
-	Server interface{ Serve(p Parent) }
+	// is valid only during the call. An error counts as a failed poll pass
+	// (S3.3); the tier keeps being served.
+	Server interface{ Serve(p Parent) error }
 	// StepEnder is implemented by tiers that batch work per engine step
 	// (for example lookups sent to a peer once per step).
 	StepEnder interface{ OnScheduleEnd() }
@@ -47,16 +47,30 @@ type (
 	// EventSource is implemented by tiers that report stored and removed
 	// keys of their own.
 	EventSource interface{ TakeEvents() []Event }
-	// Pender is implemented by tiers with outstanding work that only
-	// polling reveals.
+	// Pender is implemented by tiers with outstanding work: jobs in
+	// flight, results not yet collected, or state that only polling
+	// reveals (a transfer's status).
 	Pender interface{ Pending() bool }
-	// Drainer is implemented by tiers whose submitted jobs can be waited
-	// for: Drain returns when every job has a result queued for Finished
-	// (or ctx ends). It is called without the manager lock.
-	Drainer interface {
-		Drain(ctx context.Context) error
-	}
+	// Resetter is implemented by tiers that hold pins for outside requests
+	// (a peer's lookup waiting for its fetch): OnReset, called under the
+	// lock when a cache reset starts, releases them by reporting those jobs
+	// finished (S5.1).
+	Resetter interface{ OnReset() }
+	// StatsReporter is implemented by tiers with metrics of their own; the
+	// manager's snapshot and Prometheus text include them with the tier's
+	// label.
+	StatsReporter interface{ Stats() []Stat }
 )
+
+// Stat is one tier-specific metric.
+type Stat struct {
+	// Name is the full metric name, e.g. "kv_offload_disk_corruptions_total".
+	Name string `json:"name"`
+	// Type is "counter" or "gauge".
+	Type  string  `json:"type"`
+	Help  string  `json:"help"`
+	Value float64 `json:"value"`
+}
 
 // Level says which blocks of a request a tier wants.
 type Level uint8
@@ -207,6 +221,11 @@ type TierSpec struct {
 	Name     string
 	Medium   Medium
 	Locality Locality
+	// Polled says the tier serves outside requests or completes work on
+	// its own goroutines, so the poll goroutine services it (S3.1): its
+	// Wake wakes that goroutine, and its work does not keep the engine
+	// stepping (S3.4).
+	Polled bool
 	// HighWater and LowWater override the backpressure marks in seconds
 	// per MiB (S2.7); zero takes the default for the tier's locality.
 	HighWater, LowWater float64

@@ -25,7 +25,9 @@ type Tier struct {
 	held    []*offload.Job
 	done    []offload.JobResult
 	calls   Calls
-	serve   func(p offload.Parent)
+	serve   func(p offload.Parent) error
+	polled  bool
+	peer    map[uint64]bool // store jobs made through the Parent (Run)
 }
 
 // Calls records what the manager asked of the tier.
@@ -37,16 +39,27 @@ type Calls struct {
 	Finished []*offload.Request
 	Touches  [][]offload.Key
 	Serves   int
+	Resets   int
 }
 
 // NewTier returns an empty fake tier that asks for level on every request.
 func NewTier(level offload.Level) *Tier {
-	return &Tier{blocks: make(map[offload.Key][]byte), answers: make(map[offload.Key]offload.Result), level: level}
+	return &Tier{blocks: make(map[offload.Key][]byte), answers: make(map[offload.Key]offload.Result), level: level,
+		peer: make(map[uint64]bool)}
+}
+
+// SetPolled makes Spec mark the tier as polled (S3.1).
+func (t *Tier) SetPolled(on bool) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.polled = on
 }
 
 // Spec returns a TierSpec whose constructor binds and returns t.
 func (t *Tier) Spec(name string) offload.TierSpec {
-	return offload.TierSpec{Name: name, Medium: offload.MediumCPU, Locality: offload.Local,
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return offload.TierSpec{Name: name, Medium: offload.MediumCPU, Locality: offload.Local, Polled: t.polled,
 		New: func(env offload.TierEnv) (offload.Tier, error) {
 			t.mu.Lock()
 			defer t.mu.Unlock()
@@ -177,6 +190,14 @@ func (t *Tier) Calls() Calls {
 	return c
 }
 
+// Wake calls the tier's Wake, as a socket reader does when a message
+// arrives.
+func (t *Tier) Wake() {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.wakeLocked()
+}
+
 func (t *Tier) wakeLocked() {
 	if t.env.Wake != nil {
 		t.env.Wake()
@@ -272,8 +293,9 @@ func (t *Tier) Touch(keys []offload.Key, _ *offload.Request) {
 	t.calls.Touches = append(t.calls.Touches, slices.Clone(keys))
 }
 
-// OnServe makes the tier a Server: fn runs inside every Serve call.
-func (t *Tier) OnServe(fn func(p offload.Parent)) {
+// OnServe sets what every Serve call does: fn may use the Parent, return
+// an error or panic.
+func (t *Tier) OnServe(fn func(p offload.Parent) error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	t.serve = fn
@@ -282,19 +304,40 @@ func (t *Tier) OnServe(fn func(p offload.Parent)) {
 // Serve implements offload.Server. It runs the function set by OnServe
 // without holding the fake's own lock, so it may call back into the
 // manager (which calls the fake).
-func (t *Tier) Serve(p offload.Parent) {
+func (t *Tier) Serve(p offload.Parent) error {
 	t.mu.Lock()
 	fn := t.serve
 	t.calls.Serves++
 	t.mu.Unlock()
 	if fn != nil {
-		fn(p)
+		return fn(p)
 	}
+	return nil
 }
 
 // Run performs a job the tier created through its Parent (a store job
-// for a peer) as if it had been submitted.
-func (t *Tier) Run(j *offload.Job) { t.submit(j, &t.calls.Stores) }
+// pinning blocks for a peer) as if it had been submitted.
+func (t *Tier) Run(j *offload.Job) {
+	t.mu.Lock()
+	t.peer[j.ID] = true
+	t.mu.Unlock()
+	t.submit(j, &t.calls.Stores)
+}
+
+// OnReset implements offload.Resetter: held jobs made through the Parent
+// (pins for peers) fail at once.
+func (t *Tier) OnReset() {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.calls.Resets++
+	t.held = slices.DeleteFunc(t.held, func(j *offload.Job) bool {
+		if t.peer[j.ID] {
+			t.done = append(t.done, offload.JobResult{ID: j.ID})
+			return true
+		}
+		return false
+	})
+}
 
 // Pending implements offload.Pender: held jobs are outstanding work.
 func (t *Tier) Pending() bool {
@@ -309,4 +352,5 @@ var (
 	_ offload.Toucher      = (*Tier)(nil)
 	_ offload.Pender       = (*Tier)(nil)
 	_ offload.Server       = (*Tier)(nil)
+	_ offload.Resetter     = (*Tier)(nil)
 )

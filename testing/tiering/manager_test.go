@@ -694,7 +694,7 @@ func TestParentFacade(t *testing.T) {
 	var answers []offload.Result
 	var job *offload.Job
 	peer.Hold(true)
-	peer.OnServe(func(p offload.Parent) {
+	peer.OnServe(func(p offload.Parent) error {
 		peer.OnServe(nil) // once
 		if err := p.OnNewRequest(remote); err != nil {
 			t.Errorf("parent OnNewRequest: %v", err)
@@ -710,6 +710,7 @@ func TestParentFacade(t *testing.T) {
 		if err := p.OnRequestFinished(remote); err != nil {
 			t.Errorf("parent OnRequestFinished: %v", err)
 		}
+		return nil
 	})
 	peerLookups := peer.Calls().Lookups
 	h.step(func(s *offload.Step) {})
