@@ -39,6 +39,9 @@ type Config struct {
 	// HitPending; afterwards it answers Miss for the rest of the request
 	// (S4.1). Must be positive.
 	HitPendingTimeout Duration `json:"hit_pending_timeout"`
+	// DiskConfig configures the disk tier (disk_dir, disk_bytes, …); the
+	// manager does not build it: pass DiskTier(cfg.DiskConfig) to New.
+	DiskConfig
 	// Logger receives the manager's logs; nil discards them.
 	Logger *slog.Logger `json:"-"`
 }
@@ -57,6 +60,7 @@ func DefaultConfig() Config {
 
 		TierPollInterval:  Duration(time.Millisecond),
 		HitPendingTimeout: Duration(5 * time.Second),
+		DiskConfig:        DefaultDiskConfig(),
 	}
 }
 
@@ -83,7 +87,7 @@ func (c *Config) Validate() error {
 	if c.HitPendingTimeout <= 0 {
 		return fmt.Errorf("%w: hit_pending_timeout: %v is not a positive duration", ErrConfig, time.Duration(c.HitPendingTimeout))
 	}
-	return nil
+	return c.DiskConfig.Validate()
 }
 
 func (c *Config) slotStride() int {

@@ -28,7 +28,9 @@ type Spec struct {
 type Report struct {
 	Requests     int
 	Blocks       int // blocks looked up
-	Hits         int // loaded from the CPU tier
+	Hits         int // loaded from the CPU tier (whatever tier they came from)
+	HitsBySource map[string]int
+	Waits        int // steps that waited on HitPending or Retry
 	Computed     int // missed and computed
 	Unstored     int // computed but not stored (no evictable slot)
 	Verified     int // loaded blocks that matched their computed bytes
@@ -67,7 +69,7 @@ func Run(m *offload.Manager, spec Spec) (Report, error) {
 	gpu := make([]byte, perReq*bs) // the request's KV "on the GPU"
 	want := make([]byte, bs)
 	seen := map[offload.Key]bool{}
-	var rep Report
+	rep := Report{HitsBySource: map[string]int{}}
 	start := time.Now()
 	for r := range spec.Requests {
 		p := rng.IntN(spec.Prefixes)
@@ -86,20 +88,43 @@ func Run(m *offload.Manager, spec Spec) (Report, error) {
 		req := &offload.Request{ID: fmt.Sprintf("req-%d", r)}
 		var err error
 		var hits int
-		// Step 1: register, look up the prefix, load the hits.
-		s := m.Begin()
-		if _, err = s.OnNewRequest(req); err != nil {
-			s.OnScheduleEnd()
+		// Register, look up the prefix, load the hits. A block being
+		// promoted from a secondary tier answers HitPending: wait for
+		// progress and look again.
+		m.Do(func(s *offload.Step) { _, err = s.OnNewRequest(req) })
+		if err != nil {
 			return rep, err
 		}
-		for _, k := range keys {
-			if s.Lookup(k, req) != offload.Hit {
+		var slots []int32
+		for {
+			s := m.Begin()
+			hits = 0
+			wait := false
+			for _, k := range keys {
+				r := s.Lookup(k, req)
+				if r != offload.Hit {
+					wait = r == offload.HitPending || r == offload.Retry
+					break
+				}
+				hits++
+			}
+			if !wait {
+				slots, err = s.PrepareLoad(keys[:hits], req)
+				for _, k := range keys[:hits] {
+					rep.HitsBySource[s.LoadSource(k, req)]++
+				}
+			}
+			s.OnScheduleEnd()
+			if !wait {
 				break
 			}
-			hits++
+			rep.Waits++
+			select {
+			case <-m.Progress():
+			case <-time.After(time.Minute):
+				return rep, fmt.Errorf("request %s: no progress for a minute while blocks were pending", req.ID)
+			}
 		}
-		slots, err := s.PrepareLoad(keys[:hits], req)
-		s.OnScheduleEnd()
 		if err != nil {
 			return rep, err
 		}

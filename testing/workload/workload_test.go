@@ -56,3 +56,29 @@ func TestFillDeterministic(t *testing.T) {
 		t.Error("Fill must be a function of the key alone")
 	}
 }
+
+// With a disk tier, blocks evicted from the CPU tier come back from disk:
+// the workload waits on HitPending through the manager's progress signal,
+// and every block promoted from disk is verified.
+func TestRunWithDisk(t *testing.T) {
+	cfg := offload.DefaultConfig()
+	cfg.Geometry = offload.Geometries["tiny"]
+	cfg.CPUHugePages = false
+	cfg.CPUBytes = 24 * int64(cfg.Geometry.BlockBytes())
+	cfg.DiskDir = t.TempDir()
+	m, err := offload.New(cfg, offload.DiskTier(cfg.DiskConfig))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	rep, err := Run(m, Spec{Requests: 60, Prefixes: 3, PrefixBlocks: 4, PrivateBlocks: 2, Seed: 5})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rep.HitsBySource["disk"] == 0 || rep.Mismatched != 0 || rep.Verified != rep.Hits {
+		t.Errorf("disk hits %d, verified %d of %d, mismatched %d", rep.HitsBySource["disk"], rep.Verified, rep.Hits, rep.Mismatched)
+	}
+	if rep.Computed != rep.WorkingSet {
+		t.Errorf("computed %d blocks, want only the %d compulsory misses", rep.Computed, rep.WorkingSet)
+	}
+}

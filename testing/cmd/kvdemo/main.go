@@ -18,6 +18,8 @@ func main() {
 	slots := flag.Int("cpu-slots", 96, "CPU tier slots")
 	policy := flag.String("cpu-policy", "lru", "CPU eviction policy: lru or arc")
 	mlock := flag.Bool("cpu-mlock", false, "lock the CPU arena in RAM")
+	diskDir := flag.String("disk-dir", "", "disk tier directory (default: a temporary directory, removed at exit; \"none\": no disk tier)")
+	diskBytes := flag.Int64("disk-bytes", 1<<30, "disk tier cap in bytes")
 	spec := workload.Spec{}
 	flag.IntVar(&spec.Requests, "requests", 200, "requests to run")
 	flag.IntVar(&spec.Prefixes, "prefixes", 8, "distinct shared prefixes")
@@ -25,13 +27,13 @@ func main() {
 	flag.IntVar(&spec.PrivateBlocks, "private-blocks", 4, "blocks of each request after its prefix")
 	flag.Uint64Var(&spec.Seed, "seed", 1, "workload seed")
 	flag.Parse()
-	if err := run(*geometry, *slots, *policy, *mlock, spec); err != nil {
+	if err := run(*geometry, *slots, *policy, *mlock, *diskDir, *diskBytes, spec); err != nil {
 		fmt.Fprintln(os.Stderr, "kvdemo:", err)
 		os.Exit(1)
 	}
 }
 
-func run(geometry string, slots int, policy string, mlock bool, spec workload.Spec) error {
+func run(geometry string, slots int, policy string, mlock bool, diskDir string, diskBytes int64, spec workload.Spec) error {
 	g, err := offload.GeometryByName(geometry)
 	if err != nil {
 		return err
@@ -46,7 +48,20 @@ func run(geometry string, slots int, policy string, mlock bool, spec workload.Sp
 	page := int64(os.Getpagesize())
 	cfg.CPUBytes = int64(slots) * ((int64(g.BlockBytes()) + page - 1) / page * page)
 	cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
-	m, err := offload.New(cfg)
+	var tiers []offload.TierSpec
+	if diskDir != "none" {
+		if diskDir == "" {
+			tmp, err := os.MkdirTemp("", "kvdemo-disk-")
+			if err != nil {
+				return err
+			}
+			defer os.RemoveAll(tmp)
+			diskDir = tmp
+		}
+		cfg.DiskDir, cfg.DiskBytes = diskDir, diskBytes
+		tiers = append(tiers, offload.DiskTier(cfg.DiskConfig))
+	}
+	m, err := offload.New(cfg, tiers...)
 	if err != nil {
 		return err
 	}
@@ -62,6 +77,11 @@ func run(geometry string, slots int, policy string, mlock bool, spec workload.Sp
 		}
 	}
 	fmt.Printf("CPU tier: %d slots, %s arena at %#x, policy %s, mlock: %s\n", a.Slots(), size(uint64(a.Len())), a.Base(), policy, lock)
+	if cfg.DiskDir != "" {
+		fmt.Printf("disk tier: %s, cap %s\n", cfg.DiskDir, size(uint64(cfg.DiskBytes)))
+	} else {
+		fmt.Println("disk tier: none")
+	}
 	rep, err := workload.Run(m, spec)
 	if err != nil {
 		return err
@@ -69,9 +89,14 @@ func run(geometry string, slots int, policy string, mlock bool, spec workload.Sp
 	st := rep.ManagerStats
 	fmt.Printf("working set: %d distinct blocks (%s), %.1f× the CPU tier\n",
 		rep.WorkingSet, size(uint64(rep.WorkingSet*g.BlockBytes())), float64(rep.WorkingSet)/float64(a.Slots()))
-	fmt.Printf("blocks looked up: %d · hits %d (%.1f%%) · misses computed %d · not stored (no room) %d\n",
-		rep.Blocks, rep.Hits, 100*float64(rep.Hits)/float64(rep.Blocks), rep.Computed, rep.Unstored)
-	fmt.Printf("evictions: %d · CPU tier now %d/%d slots used\n", st.CPU.Evictions, st.CPU.Used, st.CPU.Slots)
+	fmt.Printf("blocks looked up: %d · hits %d (%.1f%%: %d in the CPU tier, %d promoted from disk) · misses computed %d · not stored (no room) %d\n",
+		rep.Blocks, rep.Hits, 100*float64(rep.Hits)/float64(rep.Blocks), rep.HitsBySource["cpu"], rep.HitsBySource["disk"], rep.Computed, rep.Unstored)
+	fmt.Printf("evictions: %d · CPU tier now %d/%d slots used · %d steps waited for promotions\n", st.CPU.Evictions, st.CPU.Used, st.CPU.Slots, rep.Waits)
+	if len(st.Tiers) > 1 {
+		d := st.Tiers[1]
+		fmt.Printf("disk: wrote %s in cascades, read %s in promotions, %d cascade and %d promotion failures\n",
+			size(d.WriteBytes), size(d.ReadBytes), d.CascadeFailures, d.PromotionFailures)
+	}
 	cpu := st.Tiers[0]
 	fmt.Printf("bytes: loaded CPU→GPU %s · stored GPU→CPU %s (manager counters: read %s, write %s)\n",
 		size(rep.BytesLoaded), size(rep.BytesStored), size(cpu.ReadBytes), size(cpu.WriteBytes))

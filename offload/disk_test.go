@@ -1,0 +1,292 @@
+package offload
+
+import (
+	"bytes"
+	"context"
+	"os"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"testing"
+	"time"
+)
+
+// diskManager opens a manager with a tiny-geometry CPU tier of slots slots
+// and a disk tier in dir capped at capBlocks blocks.
+func diskManager(t *testing.T, dir string, slots, capBlocks int) *Manager {
+	t.Helper()
+	cfg := DefaultConfig()
+	cfg.Geometry = Geometries["tiny"]
+	cfg.CPUHugePages = false
+	cfg.CPUBytes = int64(slots * cfg.slotStride())
+	cfg.DiskDir = dir
+	cfg.DiskBytes = int64(capBlocks) * int64(diskHeaderLen+cfg.Geometry.BlockBytes())
+	cfg.DiskWorkers = 2
+	m, err := New(cfg, DiskTier(cfg.DiskConfig))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { m.Close() })
+	return m
+}
+
+// waitUntil waits, on the manager's progress signal, until cond holds.
+func waitUntil(t *testing.T, m *Manager, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.After(10 * time.Second)
+	for !cond() {
+		select {
+		case <-m.Progress():
+		case <-deadline:
+			t.Fatalf("timed out waiting for %s", what)
+		}
+	}
+}
+
+func fill(b []byte, k Key) {
+	for i := range b {
+		b[i] = k[i%KeySize] + byte(i/KeySize)
+	}
+}
+
+// storeBlocks stores keys through m (so they cascade to disk) and waits
+// until the disk holds them.
+func storeBlocks(t *testing.T, m *Manager, keys []Key) {
+	t.Helper()
+	req := &Request{ID: "writer-" + keys[0].String()}
+	m.Do(func(s *Step) {
+		s.OnNewRequest(req)
+		p, err := s.PrepareStore(keys, req)
+		if err != nil || p == nil {
+			t.Fatalf("PrepareStore: %v %v", p, err)
+		}
+		for i, k := range p.Keys {
+			fill(m.Arena().Slot(int(p.Slots[i])), k)
+		}
+		s.CompleteStore(p.Keys, req, true)
+		s.OnRequestFinished(req)
+	})
+	waitUntil(t, m, "the cascade to disk", func() bool { return m.Metrics().Tiers[1].ActiveCascades == 0 })
+}
+
+// promote looks keys up until each is a hit or a miss and returns the
+// answers, checking the bytes of the hits.
+func promote(t *testing.T, m *Manager, keys []Key) []Result {
+	t.Helper()
+	req := &Request{ID: "reader"}
+	m.Do(func(s *Step) { s.OnNewRequest(req) })
+	defer m.Do(func(s *Step) { s.OnRequestFinished(req) })
+	out := make([]Result, len(keys))
+	waitUntil(t, m, "promotions", func() bool {
+		done := true
+		m.Do(func(s *Step) {
+			for i, k := range keys {
+				out[i] = s.Lookup(k, req)
+				done = done && (out[i] == Hit || out[i] == Miss)
+			}
+		})
+		return done
+	})
+	want := make([]byte, m.BlockBytes())
+	for i, k := range keys {
+		if out[i] != Hit {
+			continue
+		}
+		fill(want, k)
+		m.Do(func(s *Step) {
+			slots, err := s.PrepareLoad([]Key{k}, req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !bytes.Equal(m.Arena().Slot(int(slots[0])), want) {
+				t.Errorf("block %v promoted from disk holds the wrong bytes", k)
+			}
+			s.CompleteLoad([]Key{k}, req)
+		})
+	}
+	return out
+}
+
+func diskStat(m *Manager, name string) float64 {
+	for _, s := range m.Metrics().Tiers[1].Stats {
+		if s.Name == name {
+			return s.Value
+		}
+	}
+	return -1
+}
+
+// Blocks cascade to sharded files and promote back byte for byte; a
+// restarted tier rebuilds its index and removes partial files.
+func TestDiskRoundTrip(t *testing.T) {
+	dir := t.TempDir()
+	keys := testKeys(4)
+	m := diskManager(t, dir, 8, 16)
+	storeBlocks(t, m, keys)
+	p := filepath.Join(dir, strings.ToLower(keys[0].String()[:2]))
+	if ents, _ := os.ReadDir(p); len(ents) == 0 {
+		t.Errorf("no block file in shard %s", p)
+	}
+	if err := m.ResetCache(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if got := promote(t, m, keys); !equalResults(got, Hit) {
+		t.Errorf("after a CPU reset: %v, want hits from disk", got)
+	}
+	m.Close()
+
+	partial := filepath.Join(dir, "00", tmpPrefix+"abc-1")
+	os.WriteFile(partial, []byte("half a block"), 0o644)
+	m2 := diskManager(t, dir, 8, 16)
+	if _, err := os.Stat(partial); !os.IsNotExist(err) {
+		t.Error("a partial file survived the restart")
+	}
+	if n := diskStat(m2, "kv_offload_disk_blocks"); n != 4 {
+		t.Errorf("restarted tier indexed %v blocks, want 4", n)
+	}
+	if got := promote(t, m2, keys); !equalResults(got, Hit) {
+		t.Errorf("after a restart: %v, want hits", got)
+	}
+}
+
+func equalResults(rs []Result, want Result) bool {
+	for _, r := range rs {
+		if r != want {
+			return false
+		}
+	}
+	return true
+}
+
+// S8.4: a corrupt, truncated or missing file is a miss, is removed and is
+// counted; the tier keeps serving the other blocks.
+func TestDiskCorruption(t *testing.T) {
+	dir := t.TempDir()
+	keys := testKeys(4)
+	m := diskManager(t, dir, 8, 16)
+	storeBlocks(t, m, keys)
+	m.ResetCache(context.Background())
+	path := func(k Key) string { return m.mu.tiers[0].(*Disk).path(k) }
+	b, _ := os.ReadFile(path(keys[0]))
+	b[diskHeaderLen+5] ^= 0xff // a flipped bit
+	os.WriteFile(path(keys[0]), b, 0o644)
+	os.Truncate(path(keys[1]), diskHeaderLen+10)
+	os.Remove(path(keys[2]))
+	got := promote(t, m, keys)
+	if want := []Result{Miss, Miss, Miss, Hit}; !slicesEqual(got, want) {
+		t.Errorf("promotions %v, want %v", got, want)
+	}
+	if n := diskStat(m, "kv_offload_disk_corruptions_total"); n != 3 {
+		t.Errorf("corruptions counted %v, want 3", n)
+	}
+	for _, k := range keys[:2] {
+		if _, err := os.Stat(path(k)); !os.IsNotExist(err) {
+			t.Errorf("corrupt file %v not removed", k)
+		}
+	}
+	if n := diskStat(m, "kv_offload_disk_blocks"); n != 1 {
+		t.Errorf("index holds %v blocks, want 1", n)
+	}
+}
+
+func slicesEqual(a, b []Result) bool { return string(resultBytes(a)) == string(resultBytes(b)) }
+
+func resultBytes(rs []Result) []byte {
+	out := make([]byte, len(rs))
+	for i, r := range rs {
+		out[i] = byte(r)
+	}
+	return out
+}
+
+// The byte cap evicts least recently used blocks and reports them.
+func TestDiskEviction(t *testing.T) {
+	dir := t.TempDir()
+	keys := testKeys(5)
+	m := diskManager(t, dir, 8, 3)
+	for _, k := range keys {
+		storeBlocks(t, m, []Key{k})
+	}
+	if n := diskStat(m, "kv_offload_disk_evictions_total"); n != 2 {
+		t.Errorf("evictions %v, want 2", n)
+	}
+	var removed []Key
+	for _, e := range m.TakeEvents() {
+		if e.Tier == "disk" && e.Removed {
+			removed = append(removed, e.Keys...)
+		}
+	}
+	if len(removed) != 2 || removed[0] != keys[0] || removed[1] != keys[1] {
+		t.Errorf("removed %v, want the two oldest", removed)
+	}
+	m.ResetCache(context.Background())
+	if got := promote(t, m, keys); !slicesEqual(got, []Result{Miss, Miss, Hit, Hit, Hit}) {
+		t.Errorf("after eviction: %v", got)
+	}
+}
+
+// S8.4: an unwritable shard drops the store, counts it and never fails
+// the daemon; stores to other shards still work.
+func TestDiskUnwritable(t *testing.T) {
+	dir := t.TempDir()
+	keys := testKeys(16)
+	m := diskManager(t, dir, 32, 64)
+	bad := filepath.Join(dir, keys[0].String()[:2])
+	os.RemoveAll(bad)
+	os.WriteFile(bad, nil, 0o644) // the shard is now a file: every write fails
+	storeBlocks(t, m, keys)
+	dropped := diskStat(m, "kv_offload_disk_dropped_stores_total")
+	if dropped < 1 {
+		t.Errorf("dropped stores %v, want at least 1", dropped)
+	}
+	if n := diskStat(m, "kv_offload_disk_blocks"); n != 16-dropped {
+		t.Errorf("blocks stored %v, want %v", n, 16-dropped)
+	}
+	if m.Metrics().Tiers[1].CascadeFailures != 1 {
+		t.Errorf("cascade failures %d, want 1", m.Metrics().Tiers[1].CascadeFailures)
+	}
+}
+
+// The cap in force is at most 90 % of the free space found at start.
+func TestDiskCapacity(t *testing.T) {
+	for _, c := range []struct{ conf, free, existing, want int64 }{
+		{16 << 30, 100 << 30, 0, 16 << 30},
+		{16 << 30, 10 << 30, 0, 9 << 30},
+		{16 << 30, 10 << 30, 10 << 30, 16 << 30},
+		{32 << 30, 10 << 30, 10 << 30, 18 << 30},
+		{16 << 30, 0, 0, 0},
+	} {
+		if got := diskCapacity(c.conf, c.free, c.existing); got != c.want {
+			t.Errorf("diskCapacity(%d, %d, %d) = %d, want %d", c.conf, c.free, c.existing, got, c.want)
+		}
+	}
+	cfg := DefaultDiskConfig()
+	cfg.DiskDir = t.TempDir()
+	cfg.DiskWorkers = 0
+	if err := cfg.Validate(); err == nil || !strings.Contains(err.Error(), "disk_workers") {
+		t.Errorf("disk_workers 0: %v", err)
+	}
+}
+
+// Closing the manager stops the disk workers: no goroutine is left.
+func TestDiskNoLeak(t *testing.T) {
+	before := runtime.NumGoroutine()
+	cfg := DefaultConfig()
+	cfg.Geometry = Geometries["tiny"]
+	cfg.CPUHugePages = false
+	cfg.CPUBytes = 8 * int64(cfg.slotStride())
+	cfg.DiskDir = t.TempDir()
+	m, err := New(cfg, DiskTier(cfg.DiskConfig))
+	if err != nil {
+		t.Fatal(err)
+	}
+	storeBlocks(t, m, testKeys(2))
+	m.Close()
+	deadline := time.Now().Add(5 * time.Second)
+	for runtime.NumGoroutine() > before {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d goroutines after Close, %d before", runtime.NumGoroutine(), before)
+		}
+		runtime.Gosched()
+	}
+}
