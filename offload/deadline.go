@@ -28,7 +28,9 @@ func (m *Manager) trackPendingLocked(st *reqState, k Key, r Result) Result {
 			return Miss
 		}
 	case Hit, Miss:
-		delete(st.deadlines, k) // resolved (S4.3)
+		if len(st.deadlines) > 0 {
+			delete(st.deadlines, k) // resolved (S4.3)
+		}
 	}
 	return r
 }

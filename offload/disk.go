@@ -430,6 +430,9 @@ func (d *Disk) read(k Key, slot []byte) error {
 		return err
 	}
 	defer f.Close()
+	// Ask for the whole file at once rather than letting readahead ramp up
+	// from a small window on every file.
+	unix.Fadvise(int(f.Fd()), 0, 0, unix.FADV_WILLNEED)
 	var hdr [diskHeaderLen]byte
 	if _, err := io.ReadFull(f, hdr[:]); err != nil {
 		return fmt.Errorf("%w: header: %w", errCorrupt, err)

@@ -241,10 +241,7 @@ func (s *Step) Lookup(k Key, req *Request) Result {
 }
 
 func (m *Manager) lookupLocked(k Key, req *Request, exclude int) Result {
-	st := m.mu.reqs[req.ID]
-	if st != nil && st.req != req {
-		st = nil
-	}
+	st := req.st
 	if st != nil && st.expired != nil {
 		if _, ok := st.expired[k]; ok {
 			return Miss // S4.1: stable after the deadline, no new promotion
@@ -590,6 +587,7 @@ func (m *Manager) onNewRequestLocked(req *Request, exclude int) (Level, error) {
 	}
 	st := &reqState{req: req}
 	m.mu.reqs[req.ID] = st
+	req.st = st
 	lvl := ChunkLevel
 	for i, t := range m.mu.tiers {
 		if h, ok := t.(RequestHooks); ok && i != exclude && h.OnNewRequest(req) == RequestLevel {
@@ -632,6 +630,7 @@ func (m *Manager) maybeFinalizeLocked(st *reqState, exclude int) {
 
 func (m *Manager) finalizeLocked(st *reqState, exclude int) {
 	delete(m.mu.reqs, st.req.ID)
+	st.req.st = nil
 	for i, t := range m.mu.tiers {
 		if h, ok := t.(RequestHooks); ok && i != exclude {
 			h.OnRequestFinished(st.req)

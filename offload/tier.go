@@ -144,6 +144,7 @@ type Request struct {
 	LoadTiers []TierMatcher
 
 	tierState map[int]any
+	st        *reqState // the manager's state while registered
 }
 
 // TierState returns what tier index stored on the request with
