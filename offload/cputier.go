@@ -115,17 +115,11 @@ func NewCPUTier(arena *Arena, policy Policy) *CPUTier {
 // endHold: a Hit answered in a step stays valid until PrepareLoad in the
 // same step (S2.0).
 func (c *CPUTier) lookupProtect(k Key) Result {
-	e, ok := c.entries[k]
-	switch {
-	case !ok:
-		return Miss
-	case e.writing:
-		return HitPending
-	}
-	if e.hitAt != c.stamp {
+	r, e := c.lookup(k)
+	if r == Hit && e.hitAt != c.stamp {
 		e.hitAt = c.stamp
 	}
-	return Hit
+	return r
 }
 
 // endHold ends the protection of every Hit answered since the last call;
@@ -138,14 +132,19 @@ func (c *CPUTier) Arena() *Arena { return c.arena }
 // Lookup answers Hit for a ready key, HitPending for a key being written
 // and Miss otherwise. It never answers Retry.
 func (c *CPUTier) Lookup(k Key) Result {
+	r, _ := c.lookup(k)
+	return r
+}
+
+func (c *CPUTier) lookup(k Key) (Result, *cpuEntry) {
 	e, ok := c.entries[k]
 	switch {
 	case !ok:
-		return Miss
+		return Miss, nil
 	case e.writing:
-		return HitPending
+		return HitPending, e
 	}
-	return Hit
+	return Hit, e
 }
 
 // Slot returns the slot holding k, or -1.

@@ -12,11 +12,8 @@ import (
 func TestRun(t *testing.T) {
 	for _, policy := range []string{"lru", "arc"} {
 		t.Run(policy, func(t *testing.T) {
-			cfg := offload.DefaultConfig()
-			cfg.Geometry = offload.Geometries["tiny"]
-			cfg.CPUHugePages = false
+			cfg := tinyConfig()
 			cfg.CPUPolicy = policy
-			cfg.CPUBytes = 24 * int64(cfg.Geometry.BlockBytes())
 			m, err := offload.New(cfg)
 			if err != nil {
 				t.Fatal(err)
@@ -46,6 +43,15 @@ func TestRun(t *testing.T) {
 	}
 }
 
+// tinyConfig is a tiny-geometry CPU tier of 24 slots.
+func tinyConfig() offload.Config {
+	cfg := offload.DefaultConfig()
+	cfg.Geometry = offload.Geometries["tiny"]
+	cfg.CPUHugePages = false
+	cfg.CPUBytes = 24 * int64(cfg.Geometry.BlockBytes())
+	return cfg
+}
+
 func TestFillDeterministic(t *testing.T) {
 	k := offload.BlockKeys("s", 1, []uint32{1, 2})
 	a, b, c := make([]byte, 61), make([]byte, 61), make([]byte, 61)
@@ -61,10 +67,7 @@ func TestFillDeterministic(t *testing.T) {
 // the workload waits on HitPending through the manager's progress signal,
 // and every block promoted from disk is verified.
 func TestRunWithDisk(t *testing.T) {
-	cfg := offload.DefaultConfig()
-	cfg.Geometry = offload.Geometries["tiny"]
-	cfg.CPUHugePages = false
-	cfg.CPUBytes = 24 * int64(cfg.Geometry.BlockBytes())
+	cfg := tinyConfig()
 	cfg.DiskDir = t.TempDir()
 	m, err := offload.New(cfg, offload.DiskTier(cfg.DiskConfig))
 	if err != nil {
