@@ -433,8 +433,9 @@ func TestHitPendingNotRefreshed(t *testing.T) {
 	})
 }
 
-// S4.3: deadlines are cleared when the lookup resolves, when the request
-// finishes or aborts, and on cache reset: none of these later expires.
+// S4.3, S4.5: deadlines are cleared when the lookup resolves, when the request
+// finishes or aborts (Abort is the request-level escape hatch), and on
+// cache reset: none of these later expires.
 func TestHitPendingCleared(t *testing.T) {
 	cases := map[string]func(h *harness, req *offload.Request, k []offload.Key, w *offload.Request){
 		"resolved": func(h *harness, req *offload.Request, k []offload.Key, w *offload.Request) {
