@@ -5,7 +5,13 @@ PKGS    := github.com/kvtier/kvtier/...
 OFFLINE := GOFLAGS=-mod=vendor GOPROXY=off
 GO      ?= go
 
-.PHONY: all build test fmt-check vet race nocgo vendor vendor-check bench demo clean
+.PHONY: all build test fmt-check vet race nocgo vendor vendor-check bench demo clean generate check-cuda gpu-bundle
+
+# The CUDA kernels: compiled by nvcc into a committed fatbin (sm_80, sm_90
+# and compute_80 PTX) that cudakv embeds; copy.cu.sha256 records the source
+# it was built from, and cudakv's tests fail when they differ.
+KERNELS    := cudakv/kernels
+NVCC_FLAGS := -fatbin -O3 -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 -gencode arch=compute_80,code=compute_80
 
 all: build
 
@@ -47,6 +53,28 @@ bench:
 ## demo: an engine-like workload through the tiering manager
 demo:
 	$(OFFLINE) $(GO) run github.com/kvtier/kvtier/testing/cmd/kvdemo
+
+## generate: rebuild the kernels' fatbin and record the source hash (installs nvcc if missing)
+generate:
+	$(KERNELS)/install-nvcc.sh
+	nvcc $(NVCC_FLAGS) -o $(KERNELS)/copy.fatbin $(KERNELS)/copy.cu
+	cd $(KERNELS) && sha256sum copy.cu > copy.cu.sha256
+
+## check-cuda: prove the kernels still compile and the fatbin is current (installs nvcc if missing)
+check-cuda:
+	$(KERNELS)/install-nvcc.sh
+	@tmp=$$(mktemp -d) && trap 'rm -rf $$tmp' EXIT && \
+	nvcc $(NVCC_FLAGS) -o $$tmp/copy.fatbin $(KERNELS)/copy.cu && echo "check-cuda: kernels compile with $$(nvcc --version | tail -1)"
+	cd $(KERNELS) && sha256sum --check --quiet copy.cu.sha256
+
+## gpu-bundle: cudakv's test binary, cudakv-bench and a run script for a GPU host without Go
+gpu-bundle:
+	rm -rf bin/gpu-bundle && mkdir -p bin/gpu-bundle/kernels
+	$(OFFLINE) $(GO) test -c -o bin/gpu-bundle/cudakv.test github.com/kvtier/kvtier/cudakv
+	$(OFFLINE) $(GO) build -o bin/gpu-bundle/ github.com/kvtier/kvtier/cudakv/cmd/cudakv-bench
+	cp $(KERNELS)/copy.cu $(KERNELS)/copy.cu.sha256 $(KERNELS)/copy.fatbin bin/gpu-bundle/kernels/
+	cp cudakv/gpu-bundle.sh bin/gpu-bundle/run.sh
+	@echo "gpu-bundle: bin/gpu-bundle/run.sh runs the CUDA tests and B6 on a GPU host"
 
 clean:
 	rm -rf bin

@@ -1,0 +1,369 @@
+//go:build cgo && linux
+
+package cudakv
+
+/*
+#cgo LDFLAGS: -ldl
+#include <stdlib.h>
+#include "cuda_shim.h"
+*/
+import "C"
+
+import (
+	_ "embed"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"time"
+	"unsafe"
+)
+
+// fatbin holds the kernels of kernels/copy.cu for sm_80 and sm_90 plus
+// compute_80 PTX; `make generate` rebuilds it.
+//
+//go:embed kernels/copy.fatbin
+var fatbin []byte
+
+// registerChunk is the size in which large arenas are registered.
+const registerChunk = 1 << 30
+
+// ringSlots is how many batches may be in flight at once; one more waits
+// for the oldest to end.
+const ringSlots = 16
+
+// CUDAError is a failed CUDA driver call.
+type CUDAError struct {
+	Op   string // the driver call or step, e.g. "cuMemAlloc"
+	Code int    // the CUresult
+	Name string // e.g. CUDA_ERROR_OUT_OF_MEMORY
+	Msg  string
+}
+
+func (e *CUDAError) Error() string {
+	return fmt.Sprintf("cudakv: %s: %s (%d): %s", e.Op, e.Name, e.Code, e.Msg)
+}
+
+func cudaErr(op string, status C.int) error {
+	if status == 0 {
+		return nil
+	}
+	var name, msg *C.char
+	C.kv_error(status, &name, &msg)
+	e := &CUDAError{Op: op, Code: int(status), Name: C.GoString(name), Msg: C.GoString(msg)}
+	if status == C.KV_CUDA_NO_DEVICE || status == C.KV_ERR_NOUVA {
+		return fmt.Errorf("%w: %w", ErrUnavailable, e)
+	}
+	return e
+}
+
+var driver struct {
+	once sync.Once
+	err  error
+}
+
+// initDriver opens libcuda.so.1 and initialises it, once per process.
+func initDriver() error {
+	driver.once.Do(func() {
+		var buf [512]C.char
+		status := C.kv_init(&buf[0], C.size_t(len(buf)))
+		switch status {
+		case 0:
+		case C.KV_ERR_DLOPEN, C.KV_ERR_DLSYM:
+			driver.err = fmt.Errorf("%w: %s", ErrUnavailable, C.GoString(&buf[0]))
+		default:
+			driver.err = cudaErr("cuInit", status)
+			if !errors.Is(driver.err, ErrUnavailable) {
+				driver.err = fmt.Errorf("%w: %w", ErrUnavailable, driver.err)
+			}
+		}
+	})
+	return driver.err
+}
+
+// DeviceCount returns the number of CUDA devices, or ErrUnavailable.
+func DeviceCount() (int, error) {
+	if err := initDriver(); err != nil {
+		return 0, err
+	}
+	var n C.int
+	if err := cudaErr("cuDeviceGetCount", C.kv_device_count(&n)); err != nil {
+		return 0, err
+	}
+	return int(n), nil
+}
+
+type ringSlot struct {
+	host  unsafe.Pointer // pinned: 2 × int32 per pair
+	dev   uint64
+	event unsafe.Pointer
+	t     *Ticket
+}
+
+type cudaBackend struct {
+	spec      *Spec
+	ctx       *C.kv_ctx
+	cache     uint64 // the GPU cache, when the mover allocated it
+	bases     uint64 // device table of segment region addresses
+	regBases  []unsafe.Pointer
+	regTime   time.Duration
+	maxPairs  int
+	log       *slog.Logger
+	mu        sync.Mutex
+	free      []*ringSlot
+	inflight  []*ringSlot
+	allocated []*ringSlot
+}
+
+func openCUDA(spec *Spec, log *slog.Logger) (backend, error) {
+	if err := initDriver(); err != nil {
+		return nil, err
+	}
+	n, err := DeviceCount()
+	if err != nil {
+		return nil, err
+	}
+	if n == 0 || spec.Device >= n {
+		return nil, fmt.Errorf("%w: device %d of %d", ErrUnavailable, spec.Device, n)
+	}
+	b := &cudaBackend{spec: spec, log: log, maxPairs: spec.Layout.Blocks}
+	if err := cudaErr("open device", C.kv_open(C.int(spec.Device), unsafe.Pointer(unsafe.SliceData(fatbin)), &b.ctx)); err != nil {
+		return nil, err
+	}
+	if err := b.setup(); err != nil {
+		b.close()
+		return nil, err
+	}
+	log.Info("cudakv: CUDA backend", "device", b.name(), "sms", int(C.kv_sms(b.ctx)), "register_time", b.regTime)
+	return b, nil
+}
+
+func (b *cudaBackend) setup() error {
+	// Register the arena, in chunks so large arenas stay within driver
+	// limits; with unified addressing host addresses are device addresses.
+	start := time.Now()
+	arena := b.spec.Arena
+	for off := 0; off < len(arena); off += registerChunk {
+		p := unsafe.Pointer(&arena[off])
+		n := min(registerChunk, len(arena)-off)
+		if err := cudaErr("cuMemHostRegister", C.kv_host_register(b.ctx, p, C.size_t(n))); err != nil {
+			return err
+		}
+		b.regBases = append(b.regBases, p)
+	}
+	b.regTime = time.Since(start)
+	l := b.spec.Layout
+	region := uint64(l.Blocks) * uint64(l.stride())
+	var cache C.uint64_t
+	if err := cudaErr("cuMemAlloc (GPU cache)", C.kv_malloc(b.ctx, C.size_t(region*uint64(l.Segments())), &cache)); err != nil {
+		return err
+	}
+	b.cache = uint64(cache)
+	table := make([]uint64, l.Segments())
+	for s := range table {
+		table[s] = b.cache + uint64(s)*region
+	}
+	var bases C.uint64_t
+	if err := cudaErr("cuMemAlloc (segment table)", C.kv_malloc(b.ctx, C.size_t(8*len(table)), &bases)); err != nil {
+		return err
+	}
+	b.bases = uint64(bases)
+	if err := cudaErr("cuMemcpyHtoD (segment table)", C.kv_htod(b.ctx, bases, unsafe.Pointer(&table[0]), C.size_t(8*len(table)))); err != nil {
+		return err
+	}
+	for range ringSlots {
+		r := &ringSlot{}
+		b.allocated = append(b.allocated, r)
+		if err := cudaErr("cuMemHostAlloc (pairs)", C.kv_pinned(b.ctx, C.size_t(8*b.maxPairs), &r.host)); err != nil {
+			return err
+		}
+		var dev C.uint64_t
+		if err := cudaErr("cuMemAlloc (pairs)", C.kv_malloc(b.ctx, C.size_t(8*b.maxPairs), &dev)); err != nil {
+			return err
+		}
+		r.dev = uint64(dev)
+		if err := cudaErr("cuEventCreate", C.kv_event_new(b.ctx, 0, &r.event)); err != nil {
+			return err
+		}
+		b.free = append(b.free, r)
+	}
+	return nil
+}
+
+func (b *cudaBackend) name() string                { return "cuda: " + C.GoString(C.kv_name(b.ctx)) }
+func (b *cudaBackend) registerTime() time.Duration { return b.regTime }
+
+// slotLocked returns a free ring slot, first waiting for the oldest batch
+// in flight when all are taken.
+func (b *cudaBackend) slotLocked() *ringSlot {
+	if len(b.free) == 0 {
+		oldest := b.inflight[0]
+		oldest.t.finish(cudaErr("cuEventSynchronize", C.kv_event_sync(b.ctx, oldest.event)))
+		b.releaseLocked(oldest)
+	}
+	r := b.free[len(b.free)-1]
+	b.free = b.free[:len(b.free)-1]
+	return r
+}
+
+func (b *cudaBackend) releaseLocked(r *ringSlot) {
+	for i, x := range b.inflight {
+		if x == r {
+			b.inflight = append(b.inflight[:i], b.inflight[i+1:]...)
+			r.t = nil
+			b.free = append(b.free, r)
+			return
+		}
+	}
+}
+
+func (b *cudaBackend) submit(pairs []Pair, toCPU bool) (*Ticket, error) {
+	if len(pairs) > b.maxPairs {
+		return nil, fmt.Errorf("%w: a batch of %d pairs is larger than the GPU cache (%d blocks)", ErrBadPair, len(pairs), b.maxPairs)
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	r := b.slotLocked()
+	// The pairs go into C-owned pinned memory: no Go pointer reaches the
+	// asynchronous copy.
+	dst := unsafe.Slice((*int32)(r.host), 2*len(pairs))
+	for i, p := range pairs {
+		dst[2*i], dst[2*i+1] = p.GPU, p.CPU
+	}
+	l := b.spec.Layout
+	dir := C.int(0)
+	if toCPU {
+		dir = 1
+	}
+	status := C.kv_copy(b.ctx, dir, C.uint64_t(b.bases), r.host, C.uint64_t(r.dev), C.int(len(pairs)),
+		C.int(l.Segments()), C.uint64_t(l.SegmentBytes), C.uint64_t(l.stride()),
+		C.uint64_t(uintptr(unsafe.Pointer(unsafe.SliceData(b.spec.Arena)))), C.uint64_t(b.spec.SlotStride),
+		C.int(b.spec.CTAs), C.int(b.spec.Threads), r.event)
+	if err := cudaErr("kernel launch", status); err != nil {
+		b.free = append(b.free, r)
+		return nil, err
+	}
+	t := newTicket()
+	r.t = t
+	b.inflight = append(b.inflight, r)
+	t.poll = func() (bool, error) {
+		b.mu.Lock()
+		defer b.mu.Unlock()
+		if r.t != t {
+			return true, nil // already released by slotLocked, which finished t
+		}
+		switch s := C.kv_event_query(b.ctx, r.event); s {
+		case C.KV_CUDA_NOT_READY:
+			return false, nil
+		default:
+			b.releaseLocked(r)
+			return true, cudaErr("cuEventQuery", s)
+		}
+	}
+	t.wait = func() error {
+		b.mu.Lock()
+		defer b.mu.Unlock()
+		if r.t != t {
+			return nil
+		}
+		err := cudaErr("cuEventSynchronize", C.kv_event_sync(b.ctx, r.event))
+		b.releaseLocked(r)
+		return err
+	}
+	return t, nil
+}
+
+func (b *cudaBackend) segAddr(block, s int) C.uint64_t {
+	l := b.spec.Layout
+	return C.uint64_t(b.cache + uint64(s)*uint64(l.Blocks)*uint64(l.stride()) + uint64(block)*uint64(l.stride()))
+}
+
+func (b *cudaBackend) writeBlock(block int, src []byte) error {
+	seg := b.spec.Layout.SegmentBytes
+	for s := range b.spec.Layout.Segments() {
+		if err := cudaErr("cuMemcpyHtoD", C.kv_htod(b.ctx, b.segAddr(block, s), unsafe.Pointer(&src[s*seg]), C.size_t(seg))); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (b *cudaBackend) readBlock(block int, dst []byte) error {
+	seg := b.spec.Layout.SegmentBytes
+	for s := range b.spec.Layout.Segments() {
+		if err := cudaErr("cuMemcpyDtoH", C.kv_dtoh(b.ctx, unsafe.Pointer(&dst[s*seg]), b.segAddr(block, s), C.size_t(seg))); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (b *cudaBackend) close() error {
+	var errs []error
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	for _, dir := range []C.int{0, 1} {
+		errs = append(errs, cudaErr("cuStreamSynchronize", C.kv_stream_sync(b.ctx, dir)))
+	}
+	for _, r := range b.inflight {
+		r.t.finish(nil)
+	}
+	b.inflight, b.free = nil, nil
+	for _, r := range b.allocated {
+		if r.event != nil {
+			C.kv_event_free(b.ctx, r.event)
+		}
+		if r.host != nil {
+			errs = append(errs, cudaErr("cuMemFreeHost", C.kv_pinned_free(b.ctx, r.host)))
+		}
+		if r.dev != 0 {
+			errs = append(errs, cudaErr("cuMemFree", C.kv_free(b.ctx, C.uint64_t(r.dev))))
+		}
+	}
+	for _, p := range []uint64{b.bases, b.cache} {
+		if p != 0 {
+			errs = append(errs, cudaErr("cuMemFree", C.kv_free(b.ctx, C.uint64_t(p))))
+		}
+	}
+	for _, p := range b.regBases {
+		errs = append(errs, cudaErr("cuMemHostUnregister", C.kv_host_unregister(b.ctx, p)))
+	}
+	C.kv_close(b.ctx)
+	return errors.Join(errs...)
+}
+
+// contiguous times one copy-engine transfer of n bytes between the GPU
+// cache and the arena, the ceiling of the benchmarks.
+func (b *cudaBackend) contiguous(store bool, n, reps int) (time.Duration, error) {
+	dir := C.int(0)
+	if store {
+		dir = 1
+	}
+	host := unsafe.Pointer(unsafe.SliceData(b.spec.Arena))
+	return timeMedian(reps, func() error {
+		if err := cudaErr("cuMemcpyAsync", C.kv_memcpy_async(b.ctx, dir, host, C.uint64_t(b.cache), C.size_t(n))); err != nil {
+			return err
+		}
+		return cudaErr("cuStreamSynchronize", C.kv_stream_sync(b.ctx, dir))
+	})
+}
+
+// perSegment times one copy-engine transfer per (pair, segment).
+func (b *cudaBackend) perSegment(store bool, pairs []Pair, reps int) (time.Duration, error) {
+	dir := C.int(0)
+	if store {
+		dir = 1
+	}
+	l := b.spec.Layout
+	return timeMedian(reps, func() error {
+		for _, p := range pairs {
+			for s := range l.Segments() {
+				host := unsafe.Add(unsafe.Pointer(unsafe.SliceData(b.spec.Arena)), int(p.CPU)*b.spec.SlotStride+s*l.SegmentBytes)
+				if err := cudaErr("cuMemcpyAsync", C.kv_memcpy_async(b.ctx, dir, host, b.segAddr(int(p.GPU), s), C.size_t(l.SegmentBytes))); err != nil {
+					return err
+				}
+			}
+		}
+		return cudaErr("cuStreamSynchronize", C.kv_stream_sync(b.ctx, dir))
+	})
+}
