@@ -120,7 +120,7 @@ func New(cfg Config, specs ...TierSpec) (*Manager, error) {
 	polling := m.pollInterval > 0 && slices.ContainsFunc(specs, func(s TierSpec) bool { return s.Polled })
 	m.pollAlive.Store(polling)
 	for i, s := range specs {
-		t, err := s.New(TierEnv{Index: i, Wake: m.wakeFor(i), Arena: arena, Logger: log.With("tier", s.Name)})
+		t, err := s.New(TierEnv{Index: i, Wake: m.wakeFor(i), Progress: m.signalProgress, Arena: arena, Logger: log.With("tier", s.Name)})
 		if err != nil {
 			err = fmt.Errorf("offload: creating tier %d (%s): %w", i, s.Name, err)
 			m.mu.closed = true

@@ -210,6 +210,9 @@ type TierEnv struct {
 	// Wake tells the manager that the tier has results or requests to
 	// service. It never blocks and may be called from any goroutine.
 	Wake func()
+	// Progress tells the engine that a lookup answer of this tier may have
+	// changed (S2.10), for example when a peer answered; it never blocks.
+	Progress func()
 	// Arena is the CPU tier's memory, for zero-copy I/O into and out of
 	// slots. The tier must not touch slots it holds no job for.
 	Arena  *Arena
