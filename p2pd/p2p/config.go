@@ -1,0 +1,90 @@
+// Package p2p is kvtier's peer-to-peer secondary tier: a node fetches
+// blocks that a peer already holds in its CPU tier instead of recomputing
+// them. One port per node carries the control connection of each peer pair
+// and the data connections; the control protocol is in package wire and
+// docs/protocol.md; blocks move over a DataPlane (TCP here, NIXL in a
+// build with NIXL).
+//
+// The tier is polled (SEMANTICS.md S3.1): socket goroutines only queue
+// events and wake the manager's poll goroutine; every manager call happens
+// in that goroutine's pass or in an engine step.
+package p2p
+
+import (
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/kvtier/kvtier/offload"
+)
+
+// Config configures the P2P tier. Keys are snake_case in JSON.
+type Config struct {
+	// NodeID names this node among its peers; empty picks a random one.
+	NodeID string `json:"node_id"`
+	// Listen is the P2P port's address ("127.0.0.1:5710", ":5710").
+	Listen string `json:"p2p_listen"`
+	// Advertise is the address peers dial back for data connections;
+	// empty uses the listener's address.
+	Advertise string `json:"p2p_advertise"`
+	// Peers are dialled at start (host:port; DNS names resolve on
+	// connect).
+	Peers []string `json:"peers"`
+	// ClusterToken, when set, must be held by every peer (HMAC
+	// challenge-response; the token never travels).
+	ClusterToken string `json:"cluster_token"`
+
+	LookupHold        offload.Duration `json:"lookup_hold"`
+	PinHold           offload.Duration `json:"pin_hold"`
+	LoadTimeout       offload.Duration `json:"load_timeout"`
+	AbortAckTimeout   offload.Duration `json:"abort_ack_timeout"`
+	KeepaliveInterval offload.Duration `json:"keepalive_interval"`
+	KeepaliveTimeout  offload.Duration `json:"keepalive_timeout"`
+	HandshakeTimeout  offload.Duration `json:"handshake_timeout"`
+	// DataConns is the number of data connections per peer (TCP).
+	DataConns int `json:"data_conns"`
+}
+
+// DefaultConfig returns the defaults of SEMANTICS.md §9.
+func DefaultConfig() Config {
+	return Config{
+		Listen:            "127.0.0.1:5710",
+		LookupHold:        offload.Duration(5 * time.Second),
+		PinHold:           offload.Duration(30 * time.Second),
+		LoadTimeout:       offload.Duration(30 * time.Second),
+		AbortAckTimeout:   offload.Duration(10 * time.Second),
+		KeepaliveInterval: offload.Duration(2 * time.Second),
+		KeepaliveTimeout:  offload.Duration(10 * time.Second),
+		HandshakeTimeout:  offload.Duration(5 * time.Second),
+		DataConns:         4,
+	}
+}
+
+// ErrConfig is a bad P2P configuration value.
+var ErrConfig = errors.New("p2p: bad config")
+
+// Validate reports the first bad value, naming its key.
+func (c *Config) Validate() error {
+	for _, d := range []struct {
+		key string
+		v   offload.Duration
+	}{{"lookup_hold", c.LookupHold}, {"pin_hold", c.PinHold}, {"load_timeout", c.LoadTimeout},
+		{"abort_ack_timeout", c.AbortAckTimeout}, {"keepalive_interval", c.KeepaliveInterval},
+		{"keepalive_timeout", c.KeepaliveTimeout}, {"handshake_timeout", c.HandshakeTimeout}} {
+		if d.v <= 0 {
+			return fmt.Errorf("%w: %s: %v is not a positive duration", ErrConfig, d.key, time.Duration(d.v))
+		}
+	}
+	switch {
+	case c.KeepaliveTimeout <= c.KeepaliveInterval:
+		return fmt.Errorf("%w: keepalive_timeout: %v must exceed keepalive_interval %v", ErrConfig,
+			time.Duration(c.KeepaliveTimeout), time.Duration(c.KeepaliveInterval))
+	case c.DataConns < 1 || c.DataConns > 64:
+		return fmt.Errorf("%w: data_conns: %d is not in [1, 64]", ErrConfig, c.DataConns)
+	case len(c.NodeID) > 256:
+		return fmt.Errorf("%w: node_id: longer than 256 bytes", ErrConfig)
+	case c.Listen == "":
+		return fmt.Errorf("%w: p2p_listen: empty", ErrConfig)
+	}
+	return nil
+}

@@ -1,0 +1,523 @@
+package p2p
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"hash/crc32"
+	"io"
+	"log/slog"
+	"net"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/kvtier/kvtier/offload"
+	"github.com/kvtier/kvtier/p2pd/wire"
+)
+
+// DataPlane moves block bytes between the CPU tiers of two nodes (S7).
+// Its callbacks run on its own goroutines: they must only queue and wake.
+type DataPlane interface {
+	// Name is the data plane's name, compared in the handshake.
+	Name() string
+	// LocalInfo is what a peer needs to reach this node's slots.
+	LocalInfo() []byte
+	// AddPeer registers a peer that completed its handshake.
+	AddPeer(peer, addr string, info []byte) error
+	// RemovePeer drops a peer; done runs once no writer of that peer can
+	// write into this node's slots any more.
+	RemovePeer(peer string, done func())
+	// Write sends the blocks of local slots into the peer's slots for a
+	// round (producer); done runs once, after every block was sent or the
+	// round failed or was cancelled.
+	Write(peer string, round uint64, pairs []SlotPair, done func(error))
+	// Cancel stops writing a round; its done runs with ErrCanceled (or nil
+	// if every block was already sent).
+	Cancel(peer string, round uint64)
+	// Expect registers the slots a round will fill (consumer): only these
+	// (round, slot) pairs from that peer are accepted. done runs once,
+	// when every slot arrived and verified, or the round failed.
+	Expect(peer string, round uint64, slots []uint32, done func(error))
+	// Unexpect drops a round's expectation; done runs once no block of it
+	// is being read into a slot.
+	Unexpect(peer string, round uint64, done func())
+	// Accept takes a data connection that arrived on the P2P port.
+	Accept(c net.Conn, h wire.Hello)
+	Close() error
+}
+
+// SlotPair maps a local CPU slot to a peer's.
+type SlotPair struct{ Local, Remote uint32 }
+
+// Data-plane errors.
+var (
+	ErrCanceled = errors.New("p2p: transfer cancelled")
+	ErrCRC      = errors.New("p2p: block checksum mismatch")
+	ErrNoPeer   = errors.New("p2p: unknown peer")
+)
+
+var castagnoli = crc32.MakeTable(crc32.Castagnoli)
+
+// TCPPlane is the default data plane (S7.1, S7.2): DataConns connections
+// per peer, blocks written straight from slot memory (writev of a header
+// and the slot) and read straight into the destination slot, each block
+// checked with CRC32C.
+type TCPPlane struct {
+	arena *offload.Arena
+	net   Network
+	conns int
+	self  wire.Hello
+	log   *slog.Logger
+
+	crcErrors, strays, bytesOut, bytesIn atomic.Uint64
+
+	mu     sync.Mutex
+	closed bool
+	peers  map[string]*tcpPeer
+	expect map[roundKey]*expectation
+	dead   map[roundKey]bool // cancelled rounds: stray blocks are drained
+	writes map[roundKey][]*write
+	wg     sync.WaitGroup
+}
+
+type roundKey struct {
+	peer  string
+	round uint64
+}
+
+type tcpPeer struct {
+	addr     string
+	out      []*outConn
+	in       map[net.Conn]bool
+	readers  sync.WaitGroup
+	next     int
+	dialOnce sync.Once
+	dialErr  error
+}
+
+type expectation struct {
+	left    map[uint32]bool
+	done    func(error)
+	reading int    // blocks being read into slots now
+	ended   bool   // done was called or the round was dropped
+	drained func() // Unexpect's callback, when reading drops to 0
+}
+
+// outConn is one producer data connection with its writer goroutine.
+type outConn struct {
+	c     net.Conn
+	mu    sync.Mutex
+	cond  *sync.Cond
+	queue []*blockTask
+	dead  error
+}
+
+type blockTask struct {
+	w     *write
+	local uint32
+	hdr   wire.DataHeader
+}
+
+// write tracks one Write call.
+type write struct {
+	key      roundKey
+	left     atomic.Int64
+	canceled atomic.Bool
+	err      atomic.Pointer[error]
+	done     func(error)
+}
+
+func (w *write) finish(err error) {
+	if err != nil {
+		w.err.CompareAndSwap(nil, &err)
+	}
+	if w.left.Add(-1) == 0 {
+		if p := w.err.Load(); p != nil {
+			w.done(*p)
+			return
+		}
+		w.done(nil)
+	}
+}
+
+// NewTCPPlane returns a TCP data plane over arena.
+func NewTCPPlane(arena *offload.Arena, n Network, conns int, self wire.Hello, log *slog.Logger) *TCPPlane {
+	self.Kind = wire.KindData
+	return &TCPPlane{arena: arena, net: n, conns: conns, self: self, log: log,
+		peers: make(map[string]*tcpPeer), expect: make(map[roundKey]*expectation), dead: make(map[roundKey]bool),
+		writes: make(map[roundKey][]*write)}
+}
+
+func (p *TCPPlane) Name() string      { return "tcp" }
+func (p *TCPPlane) LocalInfo() []byte { return nil }
+
+func (p *TCPPlane) AddPeer(peer, addr string, _ []byte) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		return net.ErrClosed
+	}
+	if old := p.peers[peer]; old != nil {
+		old.addr = addr
+		return nil
+	}
+	p.peers[peer] = &tcpPeer{addr: addr, in: make(map[net.Conn]bool)}
+	return nil
+}
+
+func (p *TCPPlane) RemovePeer(peer string, done func()) {
+	p.mu.Lock()
+	tp := p.peers[peer]
+	delete(p.peers, peer)
+	var fail []*expectation
+	for k, e := range p.expect {
+		if k.peer == peer {
+			delete(p.expect, k)
+			p.dead[k] = true
+			if !e.ended {
+				e.ended = true
+				fail = append(fail, e)
+			}
+		}
+	}
+	p.mu.Unlock()
+	for _, e := range fail {
+		e.done(ErrNoPeer)
+	}
+	if tp == nil {
+		done()
+		return
+	}
+	// Close the peer's connections both ways; once its readers returned,
+	// nothing it sends can reach a slot.
+	p.mu.Lock()
+	for c := range tp.in {
+		c.Close()
+	}
+	for _, o := range tp.out {
+		o.kill(ErrNoPeer)
+	}
+	p.mu.Unlock()
+	p.wg.Go(func() {
+		tp.readers.Wait()
+		done()
+	})
+}
+
+func (o *outConn) kill(err error) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.dead == nil {
+		o.dead = err
+		o.c.Close()
+	}
+	o.cond.Broadcast()
+}
+
+// dial opens the producer's connections to a peer, once.
+func (p *TCPPlane) dial(peer string, tp *tcpPeer) error {
+	tp.dialOnce.Do(func() {
+		var buf []byte
+		for range p.conns {
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			c, err := p.net.Dial(ctx, tp.addr)
+			cancel()
+			if err == nil {
+				buf, err = wire.Write(c, buf, p.self)
+				if err != nil {
+					c.Close()
+				}
+			}
+			if err != nil {
+				tp.dialErr = fmt.Errorf("p2p: data connection to %s: %w", tp.addr, err)
+				return
+			}
+			o := &outConn{c: c}
+			o.cond = sync.NewCond(&o.mu)
+			p.mu.Lock()
+			if p.closed || p.peers[peer] != tp {
+				p.mu.Unlock()
+				c.Close()
+				tp.dialErr = ErrNoPeer
+				return
+			}
+			tp.out = append(tp.out, o)
+			p.mu.Unlock()
+			p.wg.Go(func() { p.writer(o) })
+		}
+	})
+	return tp.dialErr
+}
+
+func (p *TCPPlane) Write(peer string, round uint64, pairs []SlotPair, done func(error)) {
+	w := &write{key: roundKey{peer, round}}
+	w.done = func(err error) {
+		p.mu.Lock()
+		ws := p.writes[w.key]
+		for i, x := range ws {
+			if x == w {
+				ws = append(ws[:i], ws[i+1:]...)
+				break
+			}
+		}
+		if len(ws) == 0 {
+			delete(p.writes, w.key)
+		} else {
+			p.writes[w.key] = ws
+		}
+		p.mu.Unlock()
+		done(err)
+	}
+	w.left.Store(int64(len(pairs)) + 1) // +1 until every block is queued
+	p.mu.Lock()
+	tp := p.peers[peer]
+	if tp != nil {
+		p.writes[w.key] = append(p.writes[w.key], w)
+	}
+	p.mu.Unlock()
+	if tp == nil {
+		w.left.Store(1)
+		w.finish(ErrNoPeer)
+		return
+	}
+	// Dialling may block: do it off the caller's goroutine.
+	p.wg.Go(func() {
+		if err := p.dial(peer, tp); err != nil {
+			w.left.Store(1)
+			w.finish(err)
+			return
+		}
+		bs := p.arena.SlotBytes()
+		p.mu.Lock()
+		out, first := tp.out, tp.next
+		tp.next += len(pairs)
+		p.mu.Unlock()
+		for i, pr := range pairs {
+			if w.canceled.Load() {
+				w.finish(ErrCanceled)
+				continue
+			}
+			crc := crc32.Checksum(p.arena.Slot(int(pr.Local)), castagnoli)
+			t := &blockTask{w: w, local: pr.Local, hdr: wire.DataHeader{Round: round, Slot: pr.Remote, CRC: crc, Len: uint32(bs)}}
+			o := out[(first+i)%len(out)]
+			o.mu.Lock()
+			if o.dead != nil {
+				err := o.dead
+				o.mu.Unlock()
+				w.finish(err)
+				continue
+			}
+			o.queue = append(o.queue, t)
+			o.cond.Signal()
+			o.mu.Unlock()
+		}
+		w.finish(nil)
+	})
+}
+
+func (p *TCPPlane) writer(o *outConn) {
+	var hdr [wire.DataHeaderSize]byte
+	for {
+		o.mu.Lock()
+		for len(o.queue) == 0 && o.dead == nil {
+			o.cond.Wait()
+		}
+		if o.dead != nil {
+			q := o.queue
+			o.queue = nil
+			err := o.dead
+			o.mu.Unlock()
+			for _, t := range q {
+				t.w.finish(err)
+			}
+			return
+		}
+		t := o.queue[0]
+		o.queue = o.queue[1:]
+		o.mu.Unlock()
+		if t.w.canceled.Load() {
+			t.w.finish(ErrCanceled)
+			continue
+		}
+		wire.PutDataHeader(hdr[:], t.hdr)
+		bufs := net.Buffers{hdr[:], p.arena.Slot(int(t.local))}
+		if _, err := bufs.WriteTo(o.c); err != nil {
+			o.kill(err)
+			t.w.finish(err)
+			continue
+		}
+		p.bytesOut.Add(uint64(t.hdr.Len))
+		t.w.finish(nil)
+	}
+}
+
+func (p *TCPPlane) Cancel(peer string, round uint64) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, w := range p.writes[roundKey{peer, round}] {
+		w.canceled.Store(true)
+	}
+}
+
+func (p *TCPPlane) Expect(peer string, round uint64, slots []uint32, done func(error)) {
+	e := &expectation{left: make(map[uint32]bool, len(slots)), done: done}
+	for _, s := range slots {
+		e.left[s] = true
+	}
+	p.mu.Lock()
+	_, known := p.peers[peer]
+	if known && len(slots) > 0 {
+		p.expect[roundKey{peer, round}] = e
+	}
+	p.mu.Unlock()
+	switch {
+	case !known:
+		done(ErrNoPeer)
+	case len(slots) == 0:
+		done(nil)
+	}
+}
+
+func (p *TCPPlane) Unexpect(peer string, round uint64, done func()) {
+	k := roundKey{peer, round}
+	p.mu.Lock()
+	e := p.expect[k]
+	delete(p.expect, k)
+	p.dead[k] = true
+	var fail bool
+	if e != nil {
+		fail = !e.ended
+		e.ended = true
+		if e.reading > 0 {
+			e.drained = done
+			done = nil
+		}
+	}
+	p.mu.Unlock()
+	if fail {
+		e.done(ErrCanceled)
+	}
+	if done != nil {
+		done()
+	}
+}
+
+// Accept serves one inbound data connection from a known peer.
+func (p *TCPPlane) Accept(c net.Conn, h wire.Hello) {
+	p.mu.Lock()
+	tp := p.peers[h.NodeID]
+	if tp == nil || p.closed {
+		p.mu.Unlock()
+		p.strays.Add(1)
+		c.Close()
+		return
+	}
+	tp.in[c] = true
+	tp.readers.Add(1)
+	p.mu.Unlock()
+	p.wg.Go(func() {
+		defer tp.readers.Done()
+		err := p.read(h.NodeID, c)
+		p.mu.Lock()
+		delete(tp.in, c)
+		p.mu.Unlock()
+		c.Close()
+		if err != nil && !errors.Is(err, io.EOF) && !errors.Is(err, net.ErrClosed) {
+			p.log.Warn("p2p: data connection dropped", "peer", h.NodeID, "err", err)
+		}
+	})
+}
+
+// read reads blocks from a peer's data connection straight into their
+// destination slots.
+func (p *TCPPlane) read(peer string, c net.Conn) error {
+	bs := p.arena.SlotBytes()
+	for {
+		h, err := wire.ReadDataHeader(c)
+		if err != nil {
+			return err
+		}
+		k := roundKey{peer, h.Round}
+		p.mu.Lock()
+		e := p.expect[k]
+		ok := e != nil && !e.ended && e.left[h.Slot] && int(h.Len) == bs
+		if ok {
+			e.reading++
+			delete(e.left, h.Slot)
+		}
+		stray := !ok && p.dead[k] && int(h.Len) == bs
+		p.mu.Unlock()
+		switch {
+		case stray: // a block of a cancelled round: drain it, touch no slot
+			if _, err := io.CopyN(io.Discard, c, int64(h.Len)); err != nil {
+				return err
+			}
+			continue
+		case !ok:
+			p.strays.Add(1)
+			return fmt.Errorf("p2p: unexpected block (round %d, slot %d, %d bytes) from %s", h.Round, h.Slot, h.Len, peer)
+		}
+		slot := p.arena.Slot(int(h.Slot))
+		_, err = io.ReadFull(c, slot)
+		var result error
+		if err == nil && crc32.Checksum(slot, castagnoli) != h.CRC {
+			p.crcErrors.Add(1)
+			result = fmt.Errorf("%w: round %d slot %d from %s", ErrCRC, h.Round, h.Slot, peer)
+		} else if err != nil {
+			result = err
+		}
+		p.bytesIn.Add(uint64(bs))
+		p.mu.Lock()
+		e.reading--
+		var done func(error)
+		var drained func()
+		switch {
+		case e.ended:
+		case result != nil:
+			// Later blocks of the round are drained; Unexpect removes it
+			// once no reader is inside a slot.
+			e.ended = true
+			done = e.done
+			p.dead[k] = true
+		case len(e.left) == 0 && e.reading == 0:
+			e.ended = true
+			done = e.done
+			delete(p.expect, k)
+		}
+		if e.reading == 0 && e.drained != nil {
+			drained, e.drained = e.drained, nil
+		}
+		p.mu.Unlock()
+		if done != nil {
+			done(result)
+		}
+		if drained != nil {
+			drained()
+		}
+		if err != nil {
+			return err
+		}
+	}
+}
+
+// Close closes every connection and waits for the plane's goroutines.
+func (p *TCPPlane) Close() error {
+	p.mu.Lock()
+	p.closed = true
+	peers := p.peers
+	p.peers = map[string]*tcpPeer{}
+	for _, tp := range peers {
+		for c := range tp.in {
+			c.Close()
+		}
+	}
+	p.mu.Unlock()
+	for _, tp := range peers {
+		for _, o := range tp.out {
+			o.kill(net.ErrClosed)
+		}
+	}
+	p.wg.Wait()
+	return nil
+}
