@@ -1,0 +1,185 @@
+package p2p
+
+import (
+	"context"
+	"errors"
+	"net"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/kvtier/kvtier/offload"
+	"github.com/kvtier/kvtier/p2pd/wire"
+)
+
+// memNet is an in-memory Network of net.Pipe connections, for tests under
+// testing/synctest.
+type memNet struct {
+	mu sync.Mutex
+	ls map[string]*memListener
+}
+
+func newMemNet() *memNet { return &memNet{ls: map[string]*memListener{}} }
+
+type memListener struct {
+	addr   string
+	conns  chan net.Conn
+	closed chan struct{}
+	once   sync.Once
+}
+
+type memAddr string
+
+func (a memAddr) Network() string { return "mem" }
+func (a memAddr) String() string  { return string(a) }
+
+func (n *memNet) Listen(addr string) (net.Listener, error) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if addr == "127.0.0.1:0" {
+		addr = "node" + string(rune('a'+len(n.ls))) + ":1"
+	}
+	l := &memListener{addr: addr, conns: make(chan net.Conn), closed: make(chan struct{})}
+	n.ls[addr] = l
+	return l, nil
+}
+
+func (n *memNet) Dial(ctx context.Context, addr string) (net.Conn, error) {
+	n.mu.Lock()
+	l := n.ls[addr]
+	n.mu.Unlock()
+	if l == nil {
+		return nil, errors.New("memnet: connection refused")
+	}
+	a, b := net.Pipe()
+	select {
+	case l.conns <- b:
+		return a, nil
+	case <-l.closed:
+		return nil, errors.New("memnet: connection refused")
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+}
+
+func (l *memListener) Accept() (net.Conn, error) {
+	select {
+	case c := <-l.conns:
+		return c, nil
+	case <-l.closed:
+		return nil, net.ErrClosed
+	}
+}
+
+func (l *memListener) Close() error {
+	l.once.Do(func() { close(l.closed) })
+	return nil
+}
+
+func (l *memListener) Addr() net.Addr { return memAddr(l.addr) }
+
+// fakePeer speaks the protocol by hand over a memNet connection, to drive
+// one side of a session exactly.
+type fakePeer struct {
+	t    testing.TB
+	c    net.Conn
+	buf  []byte
+	node offload.Config
+	id   string
+	recv chan wire.Msg
+	mu   sync.Mutex // serialises sends (the test and the pong replies)
+}
+
+// connectFake dials n's P2P port as peer id and completes the handshake.
+func connectFake(t testing.TB, mn *memNet, n *node, id string) *fakePeer {
+	t.Helper()
+	c, err := mn.Dial(context.Background(), n.tier.Addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := &fakePeer{t: t, c: c, node: tinyConfig(1), id: id}
+	f.send(wire.Hello{Version: wire.Version, Kind: wire.KindControl, NodeID: id})
+	f.handshake()
+	return f
+}
+
+// acceptFake waits on the fake's listener for the node's control
+// connection and completes the handshake.
+func acceptFake(t testing.TB, l net.Listener, id string) *fakePeer {
+	t.Helper()
+	c, err := l.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := &fakePeer{t: t, c: c, node: tinyConfig(1), id: id}
+	if h, ok := f.read().(wire.Hello); !ok || h.Kind != wire.KindControl {
+		t.Fatalf("first frame %v, want a control hello", h)
+	}
+	f.handshake()
+	return f
+}
+
+func (f *fakePeer) handshake() {
+	f.send(wire.Connect{NodeID: f.id, Version: wire.Version, BlockBytes: uint64(f.node.Geometry.BlockBytes()),
+		Fingerprint: f.node.Fingerprint(), HashSeed: f.node.HashSeed, Addr: f.id + ":1", DataPlane: "tcp"})
+	if _, ok := f.read().(wire.Connect); !ok {
+		f.t.Fatal("no connect from the node")
+	}
+	f.send(wire.ConnectAck{})
+	if _, ok := f.read().(wire.ConnectAck); !ok {
+		f.t.Fatal("no connect_ack from the node")
+	}
+	f.recv = make(chan wire.Msg, 64)
+	go func() {
+		defer close(f.recv)
+		for {
+			m := f.readErr()
+			if m == nil {
+				return
+			}
+			if p, ok := m.(wire.Ping); ok {
+				f.send(wire.Pong{Seq: p.Seq})
+				continue
+			}
+			f.recv <- m
+		}
+	}()
+}
+
+func (f *fakePeer) send(m wire.Msg) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	var err error
+	if f.buf, err = wire.Write(f.c, f.buf, m); err != nil {
+		f.t.Errorf("fake peer send %v: %v", m.Type(), err)
+	}
+}
+
+func (f *fakePeer) readErr() wire.Msg {
+	p, err := wire.ReadFrame(f.c, nil, wire.MaxHandshakeFrame)
+	if err != nil {
+		return nil
+	}
+	m, err := wire.Decode(p)
+	if err != nil {
+		f.t.Errorf("fake peer decode: %v", err)
+		return nil
+	}
+	return m
+}
+
+func (f *fakePeer) read() wire.Msg {
+	m := f.readErr()
+	if m == nil {
+		f.t.Fatal("fake peer: connection closed")
+	}
+	return m
+}
+
+// next returns the next message the node sent, or nil if it closed.
+func (f *fakePeer) next() wire.Msg { return <-f.recv }
+
+// idle reports whether no message is waiting (call after synctest.Wait).
+func (f *fakePeer) idle() bool { return len(f.recv) == 0 }
+
+var _ = time.Second

@@ -1,0 +1,481 @@
+package p2p
+
+import (
+	"context"
+	"hash/crc32"
+	"io"
+	"net"
+	"testing"
+	"testing/synctest"
+	"time"
+
+	"github.com/kvtier/kvtier/offload"
+	"github.com/kvtier/kvtier/p2pd/wire"
+)
+
+// Protocol tests: a real node against a hand-driven fake peer over net.Pipe
+// connections, under testing/synctest, so every timeout runs in fake time.
+
+func wkeys(ks []offload.Key) []wire.Key { return toWire(ks) }
+
+func pins(n *node) int { return len(n.m.Audit(0)) }
+
+func expect[M wire.Msg](t *testing.T, f *fakePeer) M {
+	t.Helper()
+	m := f.next()
+	got, ok := m.(M)
+	if !ok {
+		t.Fatalf("fake peer got %T %+v, want %T", m, m, got)
+	}
+	return got
+}
+
+// S6.3, S6.4: a producer answers one lookup_resp per lookup with every
+// hit pinned, then writes the fetched blocks into the consumer's slots
+// (CRC32C per block) and releases the pins after transfer_done.
+func TestProducerHappyPath(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		mn := newMemNet()
+		prod := newNode(t, mn, nil, 16)
+		keys := testKeys(1, 3)
+		prod.store(t, keys[:2])
+		dataL, _ := mn.Listen("fake:1")
+		f := connectFake(t, mn, prod, "fake")
+		f.send(wire.Lookup{ReqID: "kv", Round: 1, Keys: wkeys(keys)})
+		resp := expect[wire.LookupResp](t, f)
+		if want := []bool{true, true, false}; len(resp.Hits) != 3 || resp.Hits[0] != want[0] || resp.Hits[1] != want[1] || resp.Hits[2] != want[2] {
+			t.Fatalf("hits %v, want %v", resp.Hits, want)
+		}
+		synctest.Wait()
+		if n := pins(prod); n != 2 {
+			t.Fatalf("%d pins after the lookup, want 2", n)
+		}
+		f.send(wire.Fetch{ReqID: "kv", Round: 1, Keys: wkeys(keys[:2]), Slots: []uint32{7, 3}})
+		got := readBlocks(t, dataL, 2, prod.m.BlockBytes())
+		for i, slot := range []uint32{7, 3} {
+			if b, ok := got[slot]; !ok || string(b) != string(blockOf(keys[i], prod.m.BlockBytes())) {
+				t.Errorf("slot %d: wrong or missing block", slot)
+			}
+		}
+		done := expect[wire.TransferDone](t, f)
+		if !done.OK || done.Round != 1 {
+			t.Errorf("transfer_done %+v, want ok for round 1", done)
+		}
+		synctest.Wait()
+		if n := pins(prod); n != 0 {
+			t.Errorf("%d pins after transfer_done", n)
+		}
+	})
+}
+
+// readBlocks accepts the producer's data connections (DataConns of them)
+// and returns the first n blocks by destination slot, checking each CRC.
+func readBlocks(t *testing.T, l net.Listener, n, size int) map[uint32][]byte {
+	type blk struct {
+		slot uint32
+		b    []byte
+	}
+	ch := make(chan blk, n)
+	go func() {
+		for range 2 {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				if _, err := wire.ReadFrame(c, nil, wire.MaxFrame); err != nil {
+					return
+				}
+				for {
+					h, err := wire.ReadDataHeader(c)
+					if err != nil {
+						return
+					}
+					b := make([]byte, h.Len)
+					if _, err := io.ReadFull(c, b); err != nil {
+						return
+					}
+					if crc32.Checksum(b, castagnoli) != h.CRC {
+						t.Errorf("block for slot %d: bad CRC", h.Slot)
+					}
+					ch <- blk{h.Slot, b}
+				}
+			}()
+		}
+	}()
+	out := map[uint32][]byte{}
+	for range n {
+		b := <-ch
+		if len(b.b) != size {
+			t.Errorf("block of %d bytes, want %d", len(b.b), size)
+		}
+		out[b.slot] = b.b
+	}
+	return out
+}
+
+// S6.3: a key still being written is held at most lookup_hold (5 s), then
+// answered miss — exactly one lookup_resp.
+func TestProducerHoldsPendingKeys(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		mn := newMemNet()
+		prod := newNode(t, mn, nil, 16)
+		keys := testKeys(1, 2)
+		prod.store(t, keys[:1])
+		w := &offload.Request{ID: "w"}
+		prod.m.Do(func(s *offload.Step) {
+			s.OnNewRequest(w)
+			s.PrepareStore(keys[1:], w) // written, never completed
+		})
+		f := connectFake(t, mn, prod, "fake")
+		start := time.Now()
+		f.send(wire.Lookup{ReqID: "kv", Round: 1, Keys: wkeys(keys)})
+		time.Sleep(5*time.Second - time.Millisecond)
+		synctest.Wait()
+		if !f.idle() {
+			t.Fatalf("answered before the hold ended: %+v", f.next())
+		}
+		resp := expect[wire.LookupResp](t, f)
+		if waited := time.Since(start); waited < 5*time.Second || waited > 5*time.Second+10*time.Millisecond {
+			t.Errorf("answered after %v, want 5s", waited)
+		}
+		if !resp.Hits[0] || resp.Hits[1] {
+			t.Errorf("hits %v, want [true false]", resp.Hits)
+		}
+		synctest.Wait()
+		if !f.idle() {
+			t.Errorf("a second answer: %+v", f.next())
+		}
+	})
+}
+
+// S6.5: pins no fetch claims are released after pin_hold (30 s); a fetch
+// after that finds no supply and fails at once, with no second result.
+func TestPinExpiry(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		mn := newMemNet()
+		prod := newNode(t, mn, nil, 16)
+		keys := testKeys(1, 2)
+		prod.store(t, keys)
+		f := connectFake(t, mn, prod, "fake")
+		f.send(wire.Lookup{ReqID: "kv", Round: 1, Keys: wkeys(keys)})
+		expect[wire.LookupResp](t, f)
+		time.Sleep(30*time.Second - time.Millisecond)
+		synctest.Wait()
+		if n := pins(prod); n != 2 {
+			t.Fatalf("%d pins just before pin_hold, want 2", n)
+		}
+		time.Sleep(time.Millisecond)
+		synctest.Wait()
+		if n := pins(prod); n != 0 {
+			t.Fatalf("%d pins after pin_hold, want 0", n)
+		}
+		f.send(wire.Fetch{ReqID: "kv", Round: 1, Keys: wkeys(keys), Slots: []uint32{0, 1}})
+		if d := expect[wire.TransferDone](t, f); d.OK {
+			t.Error("a fetch after the pins expired succeeded")
+		}
+		synctest.Wait()
+		if e := prod.m.Metrics().Errors["unknown_job"]; e != 0 {
+			t.Errorf("%d results for unknown jobs (a double result)", e)
+		}
+	})
+}
+
+// S6.4: a fetch of a key with no pinned supply fails the round at once
+// and releases its pins.
+func TestUnmatchedFetch(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		mn := newMemNet()
+		prod := newNode(t, mn, nil, 16)
+		keys := testKeys(1, 2)
+		prod.store(t, keys[:1])
+		f := connectFake(t, mn, prod, "fake")
+		f.send(wire.Lookup{ReqID: "kv", Round: 1, Keys: wkeys(keys)})
+		expect[wire.LookupResp](t, f)
+		f.send(wire.Fetch{ReqID: "kv", Round: 1, Keys: wkeys(keys), Slots: []uint32{0, 1}})
+		if d := expect[wire.TransferDone](t, f); d.OK || d.Round != 1 {
+			t.Errorf("transfer_done %+v, want a failure for round 1", d)
+		}
+		synctest.Wait()
+		if n := pins(prod); n != 0 {
+			t.Errorf("%d pins left", n)
+		}
+	})
+}
+
+// S8.1, S6.8: a second fetch for a round is a protocol error: the peer is
+// disconnected, its pins released, and the node keeps serving others.
+func TestDuplicateFetch(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		mn := newMemNet()
+		prod := newNode(t, mn, nil, 16)
+		keys := testKeys(1, 1)
+		prod.store(t, keys)
+		mn.Listen("fake:1") // never accepts: the write stays in flight
+		f := connectFake(t, mn, prod, "fake")
+		f.send(wire.Lookup{ReqID: "kv", Round: 1, Keys: wkeys(keys)})
+		expect[wire.LookupResp](t, f)
+		f.send(wire.Fetch{ReqID: "kv", Round: 1, Keys: wkeys(keys), Slots: []uint32{0}})
+		f.send(wire.Fetch{ReqID: "kv", Round: 1, Keys: wkeys(keys), Slots: []uint32{0}})
+		if d := expect[wire.Disconnect](t, f); d.Reason == "" {
+			t.Error("disconnect without a reason")
+		}
+		synctest.Wait()
+		time.Sleep(time.Minute) // the stuck data dial gives up
+		synctest.Wait()
+		if n := pins(prod); n != 0 {
+			t.Errorf("%d pins after the protocol error", n)
+		}
+		if v := stat(prod, "kv_offload_p2p_protocol_errors_total"); v != 1 {
+			t.Errorf("protocol errors %v, want 1", v)
+		}
+		other := connectFake(t, mn, prod, "other")
+		other.send(wire.Lookup{ReqID: "kv2", Round: 1, Keys: wkeys(keys)})
+		if r := expect[wire.LookupResp](t, other); !r.Hits[0] {
+			t.Error("the node stopped serving other peers")
+		}
+	})
+}
+
+func stat(n *node, name string) float64 {
+	for _, s := range n.m.Metrics().Tiers[1].Stats {
+		if s.Name == name {
+			return s.Value
+		}
+	}
+	return -1
+}
+
+// consumerSetup starts a consumer node whose request r names the fake
+// producer, and returns the fake once the request's lookup reached it.
+func consumerSetup(t *testing.T, mn *memNet, keys []offload.Key) (*node, *offload.Request, *fakePeer, wire.Lookup) {
+	cons := newNode(t, mn, nil, 16)
+	l, _ := mn.Listen("fakeprod:1")
+	req := &offload.Request{ID: "r", TransferParams: source("kv", "fakeprod:1")}
+	cons.m.Do(func(s *offload.Step) { s.OnNewRequest(req) })
+	f := acceptFake(t, l, "fakeprod")
+	step(cons, req, keys) // Retry: the lookup goes out at the end of the step
+	return cons, req, f, expect[wire.Lookup](t, f)
+}
+
+// step looks keys up in one engine step and returns the answers.
+func step(n *node, req *offload.Request, keys []offload.Key) []offload.Result {
+	var out []offload.Result
+	s := n.m.Begin()
+	for _, k := range keys {
+		out = append(out, s.Lookup(k, req))
+	}
+	s.OnScheduleEnd()
+	return out
+}
+
+// S6.6: a load without transfer_done for load_timeout (30 s) is aborted;
+// after abort_ack it fails, its slots are freed and the request answers
+// Miss (it recomputes).
+func TestConsumerTimeoutAbort(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		mn := newMemNet()
+		keys := testKeys(1, 2)
+		cons, req, f, lk := consumerSetup(t, mn, keys)
+		f.send(wire.LookupResp{ReqID: lk.ReqID, Round: lk.Round, Keys: lk.Keys, Hits: []bool{true, true}})
+		synctest.Wait()
+		if r := step(cons, req, keys); r[0] != offload.HitPending {
+			t.Fatalf("after the peer's hits: %v, want hit_pending (promotion)", r)
+		}
+		fetch := expect[wire.Fetch](t, f)
+		if len(fetch.Keys) != 2 || fetch.Round != lk.Round {
+			t.Fatalf("fetch %+v", fetch)
+		}
+		time.Sleep(30*time.Second - time.Millisecond)
+		synctest.Wait()
+		if !f.idle() {
+			t.Fatalf("early: %+v", f.next())
+		}
+		abort := expect[wire.AbortFetch](t, f)
+		if abort.Round != fetch.Round {
+			t.Errorf("abort of round %d, want %d", abort.Round, fetch.Round)
+		}
+		if cons.m.Metrics().CPU.Writing != 2 {
+			t.Error("slots freed before the abort was acknowledged")
+		}
+		f.send(wire.AbortAck{ReqID: "kv", Round: abort.Round})
+		synctest.Wait()
+		m := cons.m.Metrics()
+		if m.CPU.Writing != 0 || m.Tiers[1].PromotionFailures != 1 {
+			t.Errorf("after abort_ack: writing %d, promotion failures %d", m.CPU.Writing, m.Tiers[1].PromotionFailures)
+		}
+		if r := step(cons, req, keys); r[0] != offload.Miss {
+			t.Errorf("a failed request answers %v, want miss", r[0])
+		}
+	})
+}
+
+// S6.6: without abort_ack in abort_ack_timeout (10 s) the load fails, but
+// its slots stay quarantined until the data plane proved the writer
+// stopped; only then are they freed.
+func TestConsumerQuarantine(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		mn := newMemNet()
+		keys := testKeys(1, 1)
+		cons, req, f, lk := consumerSetup(t, mn, keys)
+		f.send(wire.LookupResp{ReqID: lk.ReqID, Round: lk.Round, Keys: lk.Keys, Hits: []bool{true}})
+		synctest.Wait()
+		step(cons, req, keys)
+		expect[wire.Fetch](t, f)
+		time.Sleep(30 * time.Second)
+		expect[wire.AbortFetch](t, f)
+		time.Sleep(10*time.Second - time.Millisecond)
+		synctest.Wait()
+		if cons.m.Metrics().CPU.Writing != 1 {
+			t.Fatal("slots freed before the abort_ack timeout")
+		}
+		if r := step(cons, req, keys); r[0] == offload.Hit {
+			t.Error("an aborted load answered hit")
+		}
+		time.Sleep(time.Millisecond)
+		synctest.Wait()
+		if v := stat(cons, "kv_offload_p2p_quarantines_total"); v != 1 {
+			t.Errorf("quarantines %v, want 1", v)
+		}
+		if w := cons.m.Metrics().CPU.Writing; w != 0 {
+			t.Errorf("%d slots still reserved after the data plane dropped the peer", w)
+		}
+	})
+}
+
+// S6.7: a request that finishes with a lookup open sends one empty
+// terminal fetch, which releases the producer's pins.
+func TestTerminalFetch(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		mn := newMemNet()
+		keys := testKeys(1, 1)
+		cons, req, f, lk := consumerSetup(t, mn, keys)
+		f.send(wire.LookupResp{ReqID: lk.ReqID, Round: lk.Round, Keys: lk.Keys, Hits: []bool{false}})
+		synctest.Wait()
+		cons.m.Do(func(s *offload.Step) { s.OnRequestFinished(req) })
+		fe := expect[wire.Fetch](t, f)
+		if len(fe.Keys) != 0 || fe.ReqID != "kv" || fe.Round != lk.Round {
+			t.Errorf("terminal fetch %+v, want an empty fetch for the lookup's round", fe)
+		}
+		synctest.Wait()
+		if !f.idle() {
+			t.Errorf("more than one terminal message: %+v", f.next())
+		}
+	})
+}
+
+// S5.1: a reset during a parked peer lookup answers it miss at once and
+// releases the pins held for peers.
+func TestResetDuringLookup(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		mn := newMemNet()
+		prod := newNode(t, mn, nil, 16)
+		keys := testKeys(1, 2)
+		prod.store(t, keys[:1])
+		w := &offload.Request{ID: "w"}
+		prod.m.Do(func(s *offload.Step) {
+			s.OnNewRequest(w)
+			s.PrepareStore(keys[1:], w)
+		})
+		f := connectFake(t, mn, prod, "fake")
+		f.send(wire.Lookup{ReqID: "kv", Round: 1, Keys: wkeys(keys)})
+		synctest.Wait()
+		if n := pins(prod); n != 1 {
+			t.Fatalf("%d pins while the lookup is parked, want 1", n)
+		}
+		done := make(chan error)
+		go func() { done <- prod.m.ResetCache(context.Background()) }()
+		resp := expect[wire.LookupResp](t, f)
+		if resp.Hits[0] || resp.Hits[1] {
+			t.Errorf("hits %v during a reset, want misses", resp.Hits)
+		}
+		// The writer's store is still in flight: finish it so the reset ends.
+		prod.m.Do(func(s *offload.Step) { s.CompleteStore(keys[1:], w, true) })
+		if err := <-done; err != nil {
+			t.Fatal(err)
+		}
+		synctest.Wait()
+		if n := pins(prod); n != 0 {
+			t.Errorf("%d pins after the reset", n)
+		}
+	})
+}
+
+// S6.1: a mismatched handshake (here the hash seed) is rejected with a
+// reason both sides see; a configured cluster token must be proven.
+func TestHandshakeRejects(t *testing.T) {
+	for name, tc := range map[string]struct {
+		edit  func(*Config)
+		fake  func(*fakePeer)
+		wants string
+	}{
+		"hash seed": {fake: func(f *fakePeer) { f.node.HashSeed = "other" }, wants: "hash seed"},
+		"token":     {edit: func(c *Config) { c.ClusterToken = "s3cret" }, wants: "cluster token"},
+	} {
+		t.Run(name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				mn := newMemNet()
+				prod := newNode(t, mn, tc.edit, 4)
+				c, _ := mn.Dial(context.Background(), prod.tier.Addr())
+				f := &fakePeer{t: t, c: c, node: tinyConfig(1), id: "fake"}
+				if tc.fake != nil {
+					tc.fake(f)
+				}
+				f.send(wire.Hello{Version: wire.Version, Kind: wire.KindControl, NodeID: "fake"})
+				f.send(wire.Connect{NodeID: "fake", Version: wire.Version, BlockBytes: uint64(f.node.Geometry.BlockBytes()),
+					Fingerprint: f.node.Fingerprint(), HashSeed: f.node.HashSeed, Addr: "fake:1", DataPlane: "tcp"})
+				var reason string
+				for m := f.readErr(); m != nil; m = f.readErr() {
+					if d, ok := m.(wire.Disconnect); ok {
+						reason = d.Reason
+					}
+					if _, ok := m.(wire.Connect); ok && name == "token" {
+						f.send(wire.ConnectAck{}) // no proof
+					}
+				}
+				if !contains(reason, tc.wants) {
+					t.Errorf("disconnect reason %q, want it to mention %q", reason, tc.wants)
+				}
+				synctest.Wait()
+				if v := stat(prod, "kv_offload_p2p_handshake_rejects_total"); v != 1 {
+					t.Errorf("rejects %v, want 1", v)
+				}
+			})
+		})
+	}
+}
+
+func contains(s, sub string) bool {
+	for i := 0; i+len(sub) <= len(s); i++ {
+		if s[i:i+len(sub)] == sub {
+			return true
+		}
+	}
+	return false
+}
+
+// S6.8: the producer's connection drops mid-transfer: the consumer's load
+// fails, the request answers Miss, and no slot stays reserved.
+func TestPeerDeathMidTransfer(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		mn := newMemNet()
+		keys := testKeys(1, 1)
+		cons, req, f, lk := consumerSetup(t, mn, keys)
+		f.send(wire.LookupResp{ReqID: lk.ReqID, Round: lk.Round, Keys: lk.Keys, Hits: []bool{true}})
+		synctest.Wait()
+		step(cons, req, keys)
+		expect[wire.Fetch](t, f)
+		f.c.Close()
+		synctest.Wait()
+		if r := step(cons, req, keys); r[0] != offload.Miss {
+			t.Errorf("after the peer died: %v, want miss", r[0])
+		}
+		m := cons.m.Metrics()
+		if m.CPU.Writing != 0 || len(cons.m.Audit(0)) != 0 {
+			t.Errorf("after the peer died: %d slots writing, pins %v", m.CPU.Writing, cons.m.Audit(0))
+		}
+		if v := stat(cons, "kv_offload_p2p_peer_deaths_total"); v != 1 {
+			t.Errorf("peer deaths %v, want 1", v)
+		}
+	})
+}
