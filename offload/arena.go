@@ -48,7 +48,9 @@ func NewArena(slots, slotBytes int, opt ArenaOptions) (*Arena, error) {
 	if int64(slots) > (1<<46)/int64(stride) {
 		return nil, fmt.Errorf("offload: arena of %d slots × %d bytes is too large", slots, stride)
 	}
-	mem, err := unix.Mmap(-1, 0, slots*stride, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	// MAP_POPULATE faults every page in now, once, rather than on the
+	// first copy into each slot (a stall in the middle of a transfer).
+	mem, err := unix.Mmap(-1, 0, slots*stride, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS|unix.MAP_POPULATE)
 	if err != nil {
 		return nil, fmt.Errorf("offload: mmap of %d bytes for the CPU arena: %w", slots*stride, err)
 	}

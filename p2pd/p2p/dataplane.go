@@ -298,8 +298,7 @@ func (p *TCPPlane) Write(peer string, round uint64, pairs []SlotPair, done func(
 				w.finish(ErrCanceled)
 				continue
 			}
-			crc := crc32.Checksum(p.arena.Slot(int(pr.Local)), castagnoli)
-			t := &blockTask{w: w, local: pr.Local, hdr: wire.DataHeader{Round: round, Slot: pr.Remote, CRC: crc, Len: uint32(bs)}}
+			t := &blockTask{w: w, local: pr.Local, hdr: wire.DataHeader{Round: round, Slot: pr.Remote, Len: uint32(bs)}}
 			o := out[(first+i)%len(out)]
 			o.mu.Lock()
 			if o.dead != nil {
@@ -340,8 +339,12 @@ func (p *TCPPlane) writer(o *outConn) {
 			t.w.finish(ErrCanceled)
 			continue
 		}
+		// The checksum is computed here, by each connection's writer, so
+		// the connections share the work.
+		slot := p.arena.Slot(int(t.local))
+		t.hdr.CRC = crc32.Checksum(slot, castagnoli)
 		wire.PutDataHeader(hdr[:], t.hdr)
-		bufs := net.Buffers{hdr[:], p.arena.Slot(int(t.local))}
+		bufs := net.Buffers{hdr[:], slot}
 		if _, err := bufs.WriteTo(o.c); err != nil {
 			o.kill(err)
 			t.w.finish(err)
