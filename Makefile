@@ -56,6 +56,7 @@ fuzz:
 	$(OFFLINE) $(GO) test -run '^$$' -fuzz '^FuzzLoadConfig$$' -fuzztime $(FUZZTIME) github.com/kvtier/kvtier/offload
 	$(OFFLINE) $(GO) test -run '^$$' -fuzz '^FuzzDecode$$' -fuzztime $(FUZZTIME) github.com/kvtier/kvtier/p2pd/wire
 	$(OFFLINE) $(GO) test -run '^$$' -fuzz '^FuzzReadFrame$$' -fuzztime $(FUZZTIME) github.com/kvtier/kvtier/p2pd/wire
+	$(OFFLINE) $(GO) test -run '^$$' -fuzz '^FuzzSession$$' -fuzztime $(FUZZTIME) github.com/kvtier/kvtier/p2pd/p2p
 
 ## demo: an engine-like workload through the tiering manager
 demo:

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"runtime"
 	"strings"
@@ -288,5 +289,26 @@ func TestDiskNoLeak(t *testing.T) {
 			t.Fatalf("%d goroutines after Close, %d before", runtime.NumGoroutine(), before)
 		}
 		runtime.Gosched()
+	}
+}
+
+// The disk tier's metrics pass promtool's lint.
+func TestDiskMetricsLint(t *testing.T) {
+	m := diskManager(t, t.TempDir(), 4, 8)
+	var buf bytes.Buffer
+	if err := m.Metrics().WritePrometheus(&buf); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(buf.String(), `kv_offload_disk_capacity_bytes{tier="disk"}`) {
+		t.Fatal("no disk metrics in the text")
+	}
+	promtool, err := exec.LookPath("promtool")
+	if err != nil {
+		t.Skip("promtool not installed (Debian package prometheus; .ci/run installs it)")
+	}
+	cmd := exec.Command(promtool, "check", "metrics")
+	cmd.Stdin = &buf
+	if out, err := cmd.CombinedOutput(); err != nil || len(bytes.TrimSpace(out)) > 0 {
+		t.Errorf("promtool: %v\n%s", err, out)
 	}
 }

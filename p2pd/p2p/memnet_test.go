@@ -88,6 +88,9 @@ type fakePeer struct {
 	id   string
 	recv chan wire.Msg
 	mu   sync.Mutex // serialises sends (the test and the pong replies)
+	// Mute stops the automatic pong replies (set before the handshake).
+	Mute bool
+	pings int
 }
 
 // connectFake dials n's P2P port as peer id and completes the handshake.
@@ -138,7 +141,13 @@ func (f *fakePeer) handshake() {
 				return
 			}
 			if p, ok := m.(wire.Ping); ok {
-				f.send(wire.Pong{Seq: p.Seq})
+				f.mu.Lock()
+				f.pings++
+				mute := f.Mute
+				f.mu.Unlock()
+				if !mute {
+					f.send(wire.Pong{Seq: p.Seq})
+				}
 				continue
 			}
 			f.recv <- m
@@ -174,6 +183,13 @@ func (f *fakePeer) read() wire.Msg {
 		f.t.Fatal("fake peer: connection closed")
 	}
 	return m
+}
+
+// Pings is how many pings the node sent.
+func (f *fakePeer) Pings() int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.pings
 }
 
 // next returns the next message the node sent, or nil if it closed.

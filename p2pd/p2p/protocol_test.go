@@ -479,3 +479,66 @@ func TestPeerDeathMidTransfer(t *testing.T) {
 		}
 	})
 }
+
+// S6.9: an idle session costs nothing: no ping in an hour. While work is
+// outstanding the node pings every keepalive_interval, and a peer that
+// stops answering is dead after keepalive_timeout (S6.8): its pins go.
+func TestKeepalive(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		mn := newMemNet()
+		prod := newNode(t, mn, nil, 16)
+		keys := testKeys(1, 1)
+		prod.store(t, keys)
+		f := connectFake(t, mn, prod, "fake")
+		time.Sleep(time.Hour)
+		synctest.Wait()
+		if n := f.Pings(); n != 0 {
+			t.Errorf("%d pings on an idle session", n)
+		}
+		f.mu.Lock()
+		f.Mute = true
+		f.mu.Unlock()
+		f.send(wire.Lookup{ReqID: "kv", Round: 1, Keys: wkeys(keys)})
+		expect[wire.LookupResp](t, f) // pins held: work outstanding
+		time.Sleep(2*time.Second + time.Millisecond)
+		synctest.Wait()
+		if n := f.Pings(); n != 1 {
+			t.Errorf("%d pings after keepalive_interval with work outstanding, want 1", n)
+		}
+		time.Sleep(10 * time.Second)
+		synctest.Wait()
+		if v := stat(prod, "kv_offload_p2p_peer_deaths_total"); v != 1 {
+			t.Errorf("peer deaths %v after the keep-alive timeout, want 1", v)
+		}
+		if n := pins(prod); n != 0 {
+			t.Errorf("%d pins left after the peer died", n)
+		}
+	})
+}
+
+// S7.1: the consumer accepts blocks only for (round, slot) pairs it
+// registered with that peer; anything else drops the data connection.
+func TestUnexpectedBlock(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		mn := newMemNet()
+		cons := newNode(t, mn, nil, 16)
+		connectFake(t, mn, cons, "fake") // registers the peer
+		synctest.Wait()
+		c, _ := mn.Dial(context.Background(), cons.tier.Addr())
+		wire.Write(c, nil, wire.Hello{Version: wire.Version, Kind: wire.KindData, NodeID: "fake"})
+		var hdr [wire.DataHeaderSize]byte
+		wire.PutDataHeader(hdr[:], wire.DataHeader{Round: 99, Slot: 3, Len: uint32(cons.m.BlockBytes())})
+		c.Write(hdr[:])
+		synctest.Wait()
+		var b [1]byte
+		if _, err := c.Read(b[:]); err == nil {
+			t.Error("the data connection stayed open after an unexpected block")
+		}
+		if v := stat(cons, "kv_offload_p2p_unexpected_blocks_total"); v != 1 {
+			t.Errorf("unexpected blocks %v, want 1", v)
+		}
+		if cons.m.Metrics().CPU.Used != 0 {
+			t.Error("an unexpected block reached a slot")
+		}
+	})
+}

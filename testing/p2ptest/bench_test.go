@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -107,4 +108,103 @@ func plainCopy(b testing.TB, src, dst *offload.Arena, n, conns int) {
 		})
 	}
 	wg.Wait()
+}
+
+// BenchmarkLookupRTT is B5's P2P half: the round trip of a 16-key lookup
+// between two managers over loopback — from the consumer's step that sends
+// it to the step that sees the answer, through both poll goroutines and
+// the producer's manager — beside a plain TCP request/response of the same
+// sizes between two goroutines, in the same run. The producer does not
+// hold the keys, so nothing is promoted and every iteration asks the peer
+// again. It reports p50 and p99 of both and the p50 ratio (x-plain,
+// target ≤ 2).
+func BenchmarkLookupRTT(b *testing.B) {
+	prod := NewNode(b, tiny, 64, nil, nil)
+	cons := NewNode(b, tiny, 64, nil, nil)
+	keys := Keys(9, 16, tiny.BlockTokens)
+	var rtts []time.Duration
+	i := 0
+	for b.Loop() {
+		req := &offload.Request{ID: fmt.Sprintf("rtt-%d", i), TransferParams: Source(fmt.Sprintf("rtt-%d", i), prod.Tier.Addr())}
+		i++
+		cons.M.Do(func(s *offload.Step) { s.OnNewRequest(req) })
+		look := func() offload.Result {
+			s := cons.M.Begin()
+			defer s.OnScheduleEnd()
+			var r offload.Result
+			for j, k := range keys {
+				if x := s.Lookup(k, req); j == 0 {
+					r = x
+				}
+			}
+			return r
+		}
+		for len(cons.M.Progress()) > 0 {
+			<-cons.M.Progress()
+		}
+		t0 := time.Now()
+		for r := look(); r == offload.Retry; r = look() {
+			<-cons.M.Progress()
+		}
+		rtts = append(rtts, time.Since(t0))
+		cons.M.Do(func(s *offload.Step) { s.Abort(req) })
+	}
+	base := plainRTT(b, len(rtts), 4+1+2+8+8+4+16*32, 4+1+2+8+8+4+16*33)
+	p50, p99 := percentile(rtts, 50), percentile(rtts, 99)
+	b50, b99 := percentile(base, 50), percentile(base, 99)
+	b.ReportMetric(float64(p50.Microseconds()), "p50-µs")
+	b.ReportMetric(float64(p99.Microseconds()), "p99-µs")
+	b.ReportMetric(float64(b50.Microseconds()), "p50-µs-plain")
+	b.ReportMetric(float64(b99.Microseconds()), "p99-µs-plain")
+	b.ReportMetric(p50.Seconds()/b50.Seconds(), "x-plain")
+}
+
+func percentile(ds []time.Duration, p int) time.Duration {
+	s := append([]time.Duration(nil), ds...)
+	slices.Sort(s)
+	return s[min(len(s)-1, len(s)*p/100)]
+}
+
+// plainRTT times n request/response exchanges of the given sizes over one
+// loopback TCP connection.
+func plainRTT(b *testing.B, n, reqSize, respSize int) []time.Duration {
+	ln, err := p2p.TCP{}.Listen("127.0.0.1:0")
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer ln.Close()
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	wg.Go(func() {
+		c, err := ln.Accept()
+		if err != nil {
+			return
+		}
+		defer c.Close()
+		req, resp := make([]byte, reqSize), make([]byte, respSize)
+		for {
+			if _, err := io.ReadFull(c, req); err != nil {
+				return
+			}
+			if _, err := c.Write(resp); err != nil {
+				return
+			}
+		}
+	})
+	c, err := p2p.TCP{}.Dial(context.Background(), ln.Addr().String())
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer c.Close()
+	req, resp := make([]byte, reqSize), make([]byte, respSize)
+	out := make([]time.Duration, 0, n)
+	for range n {
+		t0 := time.Now()
+		c.Write(req)
+		if _, err := io.ReadFull(c, resp); err != nil {
+			b.Fatal(err)
+		}
+		out = append(out, time.Since(t0))
+	}
+	return out
 }

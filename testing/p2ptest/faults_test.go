@@ -1,6 +1,10 @@
 package p2ptest
 
 import (
+	"bytes"
+	"net"
+	"os/exec"
+	"strings"
 	"testing"
 	"time"
 
@@ -71,5 +75,53 @@ func TestDataPlaneFaults(t *testing.T) {
 			prod.WaitClean(t)
 			cons.WaitClean(t)
 		})
+	}
+}
+
+// A static peer list connects at start, by DNS name; a request naming the
+// same address reuses that session.
+func TestStaticPeers(t *testing.T) {
+	a := NewNode(t, tiny, 16, nil, nil)
+	_, port, _ := net.SplitHostPort(a.Tier.Addr())
+	addr := net.JoinHostPort("localhost", port)
+	b := NewNode(t, tiny, 16, nil, func(c *p2p.Config) { c.Peers = []string{addr} })
+	deadline := time.Now().Add(10 * time.Second)
+	for a.Stat("kv_offload_p2p_sessions") != 1 || b.Stat("kv_offload_p2p_sessions") != 1 {
+		if time.Now().After(deadline) {
+			t.Fatal("the static peer did not connect")
+		}
+		select {
+		case <-b.M.Progress():
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
+	keys := Keys(3, 4, tiny.BlockTokens)
+	a.Store(t, keys)
+	if hits, bad := b.Fetch(t, "kv-static", addr, keys); hits != 4 || bad != 0 {
+		t.Errorf("fetched %d, %d wrong", hits, bad)
+	}
+	if v := b.Stat("kv_offload_p2p_sessions_opened_total"); v != 1 {
+		t.Errorf("sessions opened %v, want 1 (the request reused the static one)", v)
+	}
+}
+
+// The P2P tier's metrics (and the disk tier's) pass promtool's lint.
+func TestMetricsLint(t *testing.T) {
+	n := NewNode(t, tiny, 4, nil, nil)
+	var buf bytes.Buffer
+	if err := n.M.Metrics().WritePrometheus(&buf); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(buf.String(), `kv_offload_p2p_sessions{tier="p2p"} 0`) {
+		t.Error("no P2P metrics in the text")
+	}
+	promtool, err := exec.LookPath("promtool")
+	if err != nil {
+		t.Skip("promtool not installed (Debian package prometheus; .ci/run installs it)")
+	}
+	cmd := exec.Command(promtool, "check", "metrics")
+	cmd.Stdin = &buf
+	if out, err := cmd.CombinedOutput(); err != nil || len(bytes.TrimSpace(out)) > 0 {
+		t.Errorf("promtool: %v\n%s", err, out)
 	}
 }
