@@ -89,7 +89,7 @@ type fakePeer struct {
 	recv chan wire.Msg
 	mu   sync.Mutex // serialises sends (the test and the pong replies)
 	// Mute stops the automatic pong replies (set before the handshake).
-	Mute bool
+	Mute  bool
 	pings int
 }
 
