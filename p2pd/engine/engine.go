@@ -1,0 +1,275 @@
+// Package engine is p2pd's reference engine core: a scheduler loop in one
+// goroutine that runs requests through the tiering manager, and an
+// executor that "computes" KV blocks deterministically from their keys in
+// a GPU cache (cudakv device memory when a GPU is present, host memory
+// otherwise) and copies them between that cache and the CPU tier with
+// cudakv. It keeps no GPU prefix cache beyond a request's life, so every
+// request goes through the offload tiers.
+//
+// The loop steps only while it has schedulable requests, copies to finish
+// or the manager reports pending work; otherwise it blocks on a wake
+// channel fed by new requests, admin commands, finished copies and the
+// manager's progress notification (SEMANTICS.md S5.2): an idle engine makes
+// no wakeups.
+package engine
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/kvtier/kvtier/cudakv"
+	"github.com/kvtier/kvtier/offload"
+)
+
+// Errors a request or a command can end with.
+var (
+	ErrShuttingDown = errors.New("engine: shutting down")
+	ErrAborted      = errors.New("engine: request aborted")
+	ErrTooLarge     = errors.New("engine: request needs more GPU blocks than the cache has")
+	ErrPauseTimeout = errors.New("engine: pause timed out")
+	ErrBadState     = errors.New("engine: not possible in this state")
+)
+
+// State is the engine's state.
+type State int32
+
+// States.
+const (
+	Running State = iota
+	Pausing
+	Paused
+	ShuttingDown
+)
+
+func (s State) String() string {
+	return [...]string{"running", "pausing", "paused", "shutting_down"}[s]
+}
+
+// Request is a prompt to prefill.
+type Request struct {
+	ID             string
+	Tokens         []uint32
+	TransferParams map[string]any
+}
+
+// Sources counts where a request's blocks came from.
+type Sources struct {
+	CPU      int `json:"cpu"`
+	Disk     int `json:"disk"`
+	Peer     int `json:"peer"`
+	Computed int `json:"computed"`
+}
+
+// Result answers a request once its prefill is done.
+type Result struct {
+	RequestID string  `json:"request_id"`
+	Blocks    int     `json:"blocks"`
+	Sources   Sources `json:"sources"`
+	KVDigest  string  `json:"kv_digest"`
+	ElapsedMS float64 `json:"elapsed_ms"`
+}
+
+// Config configures an Engine.
+type Config struct {
+	// GPUBlocks is the size of the GPU KV cache in blocks.
+	GPUBlocks int
+	// Backend is cudakv's backend: auto, cuda or host.
+	Backend string
+	Logger  *slog.Logger
+}
+
+// PauseMode says what a pause does with requests (S5.3).
+type PauseMode string
+
+// Pause modes.
+const (
+	PauseWait  PauseMode = "wait"  // let running requests finish
+	PauseAbort PauseMode = "abort" // abort running and waiting requests first
+	PauseKeep  PauseMode = "keep"  // freeze them for resume
+)
+
+// Engine is the scheduler loop and its executor.
+type Engine struct {
+	m     *offload.Manager
+	mv    *cudakv.Mover
+	log   *slog.Logger
+	geo   offload.Geometry
+	seed  string
+	total int
+
+	inbox chan any      // *job, pauseCmd, resumeCmd, shutdownCmd, resetCmd
+	wake  chan struct{} // copies finished
+	done  chan struct{} // the loop returned
+	wg    sync.WaitGroup
+
+	state           atomic.Int32
+	running, queued atomic.Int32
+
+	// loop-owned
+	waiting, active []*job
+	free            []int32
+	pause           *pauseCmd
+	shutdown        *shutdownCmd
+	stopAdmit       bool
+}
+
+// job is a request inside the loop.
+type job struct {
+	r       Request
+	reply   chan jobReply
+	keys    []offload.Key
+	req     *offload.Request
+	gpu     []int32
+	start   time.Time
+	phase   int
+	hits    int
+	src     Sources
+	slots   []int32
+	plan    *offload.StorePlan
+	ticket  *cudakv.Ticket
+	copying bool
+}
+
+type jobReply struct {
+	res Result
+	err error
+}
+
+const (
+	phaseLookup = iota
+	phaseLoading
+	phaseStoring
+)
+
+type pauseCmd struct {
+	mode     PauseMode
+	clear    bool
+	deadline time.Time
+	reply    chan error
+}
+
+type resumeCmd struct{ reply chan error }
+
+type shutdownCmd struct {
+	deadline time.Time
+	reply    chan error
+}
+
+// New returns an engine over m with a GPU cache of cfg.GPUBlocks blocks;
+// Run starts it.
+func New(m *offload.Manager, cfg Config) (*Engine, error) {
+	log := cfg.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	if cfg.GPUBlocks <= 0 {
+		return nil, fmt.Errorf("engine: gpu_blocks %d must be positive", cfg.GPUBlocks)
+	}
+	mc := m.Config()
+	g := mc.Geometry
+	mv, err := cudakv.Open(cudakv.Spec{
+		Layout:     cudakv.Layout{Layers: g.Layers, Fused: g.Fused, SegmentBytes: g.SegmentBytes(), Blocks: cfg.GPUBlocks},
+		Arena:      m.Arena().Bytes(),
+		SlotStride: m.Arena().Stride(),
+		Backend:    cfg.Backend,
+		Logger:     log,
+	})
+	if err != nil {
+		return nil, err
+	}
+	e := &Engine{m: m, mv: mv, log: log, geo: g, seed: mc.HashSeed, total: cfg.GPUBlocks,
+		inbox: make(chan any, 64), wake: make(chan struct{}, 1), done: make(chan struct{})}
+	for b := cfg.GPUBlocks - 1; b >= 0; b-- {
+		e.free = append(e.free, int32(b))
+	}
+	log.Info("engine: executor ready", "copies", mv.Backend(), "gpu_blocks", cfg.GPUBlocks)
+	return e, nil
+}
+
+// Backend names the copy backend ("host" or "cuda: <device>").
+func (e *Engine) Backend() string { return e.mv.Backend() }
+
+// State returns the engine's state.
+func (e *Engine) State() State { return State(e.state.Load()) }
+
+// Counts returns the running and waiting requests.
+func (e *Engine) Counts() (running, waiting int) {
+	return int(e.running.Load()), int(e.queued.Load())
+}
+
+// Submit runs a request and waits for its prefill, or ctx.
+func (e *Engine) Submit(ctx context.Context, r Request) (Result, error) {
+	if e.State() == ShuttingDown {
+		return Result{}, ErrShuttingDown
+	}
+	reply := make(chan jobReply, 1)
+	j := &job{r: r, reply: reply}
+	select {
+	case e.inbox <- j:
+	case <-e.done:
+		return Result{}, ErrShuttingDown
+	case <-ctx.Done():
+		return Result{}, ctx.Err()
+	}
+	select {
+	case rep := <-reply:
+		return rep.res, rep.err
+	case <-ctx.Done():
+		return Result{}, ctx.Err()
+	}
+}
+
+// Pause stops scheduling (S5.3) and returns once the engine is quiet, or
+// with ErrPauseTimeout (the engine then goes back to running).
+func (e *Engine) Pause(mode PauseMode, clearCache bool, timeout time.Duration) error {
+	c := &pauseCmd{mode: mode, clear: clearCache, deadline: time.Now().Add(timeout), reply: make(chan error, 1)}
+	return e.command(c, c.reply)
+}
+
+// Resume restarts scheduling (S5.4).
+func (e *Engine) Resume() error {
+	c := resumeCmd{reply: make(chan error, 1)}
+	return e.command(c, c.reply)
+}
+
+// Shutdown stops admitting, lets running requests finish within grace,
+// aborts what is left, and stops the loop (S5.5).
+func (e *Engine) Shutdown(grace time.Duration) error {
+	c := &shutdownCmd{deadline: time.Now().Add(grace), reply: make(chan error, 1)}
+	err := e.command(c, c.reply)
+	<-e.done
+	return err
+}
+
+func (e *Engine) command(c any, reply chan error) error {
+	select {
+	case e.inbox <- c:
+	case <-e.done:
+		return ErrShuttingDown
+	}
+	select {
+	case err := <-reply:
+		return err
+	case <-e.done:
+		select {
+		case err := <-reply:
+			return err
+		default:
+			return ErrShuttingDown
+		}
+	}
+}
+
+// Close releases the executor; call it after Run returned.
+func (e *Engine) Close() error {
+	e.wg.Wait()
+	return e.mv.Close()
+}
+
+// Done is closed when Run returned.
+func (e *Engine) Done() <-chan struct{} { return e.done }

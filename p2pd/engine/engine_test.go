@@ -1,0 +1,117 @@
+package engine
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/kvtier/kvtier/offload"
+)
+
+func newEngine(t *testing.T, slots, gpu int) (*Engine, *offload.Manager) {
+	t.Helper()
+	cfg := offload.DefaultConfig()
+	cfg.Geometry = offload.Geometries["tiny"]
+	cfg.CPUHugePages = false
+	cfg.CPUBytes = int64(slots * cfg.Geometry.BlockBytes())
+	m, err := offload.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	e, err := New(m, Config{GPUBlocks: gpu, Backend: "host"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	go e.Run()
+	t.Cleanup(func() {
+		e.Shutdown(time.Second)
+		e.Close()
+		m.Close()
+	})
+	return e, m
+}
+
+func tokens(seed, n int) []uint32 {
+	out := make([]uint32, n)
+	for i := range out {
+		out[i] = uint32(seed*7919 + i)
+	}
+	return out
+}
+
+// A prompt computed once is loaded back from the CPU tier the second time,
+// with the same digest; sources add up to the blocks.
+func TestPrefillTwice(t *testing.T) {
+	e, _ := newEngine(t, 64, 32)
+	ctx := context.Background()
+	r1, err := e.Submit(ctx, Request{ID: "a", Tokens: tokens(1, 16*8+5)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r1.Blocks != 8 || r1.Sources.Computed != 8 {
+		t.Fatalf("first run %+v, want 8 blocks computed", r1)
+	}
+	r2, err := e.Submit(ctx, Request{ID: "b", Tokens: tokens(1, 16*8)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r2.Sources.CPU != 8 || r2.Sources.Computed != 0 || r2.KVDigest != r1.KVDigest {
+		t.Errorf("second run %+v, want 8 CPU hits and digest %s", r2, r1.KVDigest)
+	}
+	if _, err := e.Submit(ctx, Request{ID: "big", Tokens: tokens(2, 16*40)}); !errors.Is(err, ErrTooLarge) {
+		t.Errorf("a request larger than the cache: %v", err)
+	}
+}
+
+// S5.3, S5.4: pause wait on an idle engine returns at once; a paused
+// engine queues new requests until resume; pause twice is refused.
+func TestPauseResume(t *testing.T) {
+	e, _ := newEngine(t, 64, 32)
+	if err := e.Pause(PauseWait, false, time.Second); err != nil {
+		t.Fatal(err)
+	}
+	if e.State() != Paused {
+		t.Fatalf("state %v", e.State())
+	}
+	if err := e.Pause(PauseWait, false, time.Second); !errors.Is(err, ErrBadState) {
+		t.Errorf("second pause: %v", err)
+	}
+	done := make(chan error, 1)
+	go func() {
+		_, err := e.Submit(context.Background(), Request{ID: "q", Tokens: tokens(3, 32)})
+		done <- err
+	}()
+	deadline := time.Now().Add(5 * time.Second)
+	for _, w := e.Counts(); w != 1; _, w = e.Counts() {
+		if time.Now().After(deadline) {
+			t.Fatal("the request was not queued")
+		}
+		time.Sleep(time.Millisecond)
+	}
+	select {
+	case err := <-done:
+		t.Fatalf("a request ran while paused: %v", err)
+	default:
+	}
+	if err := e.Resume(); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-done; err != nil {
+		t.Errorf("queued request after resume: %v", err)
+	}
+}
+
+// S5.3: pause with clear_cache empties the CPU tier after quiescing.
+func TestPauseClearCache(t *testing.T) {
+	e, m := newEngine(t, 64, 32)
+	if _, err := e.Submit(context.Background(), Request{ID: "a", Tokens: tokens(4, 64)}); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.Pause(PauseWait, true, time.Second); err != nil {
+		t.Fatal(err)
+	}
+	if used := m.Metrics().CPU.Used; used != 0 {
+		t.Errorf("CPU tier holds %d blocks after pause with clear_cache", used)
+	}
+}

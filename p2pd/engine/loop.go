@@ -1,0 +1,503 @@
+package engine
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/binary"
+	"encoding/hex"
+	"fmt"
+	"time"
+
+	"github.com/kvtier/kvtier/cudakv"
+	"github.com/kvtier/kvtier/offload"
+)
+
+// Run is the scheduler loop; it returns after Shutdown.
+func (e *Engine) Run() {
+	defer close(e.done)
+	for {
+		e.step()
+		if e.finishCommands() {
+			return
+		}
+		e.sleep()
+	}
+}
+
+func signal(c chan struct{}) {
+	select {
+	case c <- struct{}{}:
+	default:
+	}
+}
+
+// sleep blocks until something may have changed: a message, a finished
+// copy, the manager's progress, or a deadline. It does not block while a
+// request can be stepped now.
+func (e *Engine) sleep() {
+	if e.schedulable() {
+		e.drain()
+		return
+	}
+	var timer <-chan time.Time
+	var deadline time.Time
+	if e.pause != nil {
+		deadline = e.pause.deadline
+	}
+	if e.shutdown != nil && (deadline.IsZero() || e.shutdown.deadline.Before(deadline)) {
+		deadline = e.shutdown.deadline
+	}
+	if e.m.HasPendingWork() {
+		// The manager needs steps (S3.4): step at most every millisecond.
+		deadline = minTime(deadline, time.Now().Add(time.Millisecond))
+	}
+	if !deadline.IsZero() {
+		t := time.NewTimer(time.Until(deadline))
+		defer t.Stop()
+		timer = t.C
+	}
+	select {
+	case msg := <-e.inbox:
+		e.handle(msg)
+	case <-e.wake:
+	case <-e.m.Progress():
+	case <-timer:
+	}
+	e.drain()
+}
+
+func minTime(a, b time.Time) time.Time {
+	if a.IsZero() || b.Before(a) {
+		return b
+	}
+	return a
+}
+
+// drain handles every queued message without blocking.
+func (e *Engine) drain() {
+	for {
+		select {
+		case msg := <-e.inbox:
+			e.handle(msg)
+		default:
+			return
+		}
+	}
+}
+
+// schedulable reports whether a step would make progress without waiting:
+// a waiting request fits, or a finished copy is unprocessed.
+func (e *Engine) schedulable() bool {
+	if !e.stepping() {
+		return false
+	}
+	if len(e.waiting) > 0 && !e.stopAdmit && e.State() == Running && len(e.waiting[0].keys) <= len(e.free) {
+		return true
+	}
+	for _, j := range e.active {
+		if j.ticket != nil {
+			if done, _ := j.ticket.Done(); done {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// stepping says whether requests advance: not while paused, nor while a
+// keep-mode pause freezes them.
+func (e *Engine) stepping() bool {
+	switch e.State() {
+	case Paused:
+		return false
+	case Pausing:
+		return e.pause == nil || e.pause.mode != PauseKeep
+	}
+	return true
+}
+
+func (e *Engine) handle(msg any) {
+	switch c := msg.(type) {
+	case *job:
+		if e.State() == ShuttingDown {
+			c.reply <- jobReply{err: ErrShuttingDown}
+			return
+		}
+		c.start = time.Now()
+		c.keys = offload.BlockKeys(e.seed, e.geo.BlockTokens, c.r.Tokens)
+		if len(c.keys) > e.total {
+			c.reply <- jobReply{err: fmt.Errorf("%w: %d blocks, the cache has %d", ErrTooLarge, len(c.keys), e.total)}
+			return
+		}
+		e.waiting = append(e.waiting, c)
+	case *pauseCmd:
+		if e.State() != Running {
+			c.reply <- fmt.Errorf("%w: pause while %v", ErrBadState, e.State())
+			return
+		}
+		e.pause = c
+		e.state.Store(int32(Pausing))
+		if c.mode == PauseAbort {
+			e.abortAll(ErrAborted)
+		}
+	case resumeCmd:
+		switch e.State() {
+		case Paused:
+			e.state.Store(int32(Running))
+			c.reply <- nil
+		case Pausing:
+			e.pause.reply <- fmt.Errorf("%w: resumed before the pause completed", ErrBadState)
+			e.pause = nil
+			e.state.Store(int32(Running))
+			c.reply <- nil
+		default:
+			c.reply <- fmt.Errorf("%w: resume while %v", ErrBadState, e.State())
+		}
+	case *shutdownCmd:
+		if e.shutdown != nil {
+			c.reply <- nil
+			return
+		}
+		if e.pause != nil {
+			e.pause.reply <- ErrShuttingDown
+			e.pause = nil
+		}
+		e.shutdown = c
+		e.state.Store(int32(ShuttingDown))
+		for _, j := range e.waiting {
+			j.reply <- jobReply{err: ErrShuttingDown}
+		}
+		e.waiting = nil
+	}
+	e.counts()
+}
+
+func (e *Engine) counts() {
+	e.running.Store(int32(len(e.active)))
+	e.queued.Store(int32(len(e.waiting)))
+}
+
+// abortAll aborts waiting and running requests; running ones are cleaned
+// up once their copies in flight finished.
+func (e *Engine) abortAll(err error) {
+	for _, j := range e.waiting {
+		j.reply <- jobReply{err: err}
+	}
+	e.waiting = nil
+	for _, j := range e.active {
+		e.abort(j, err)
+	}
+}
+
+func (e *Engine) abort(j *job, err error) {
+	if j.reply == nil {
+		return
+	}
+	j.reply <- jobReply{err: err}
+	j.reply = nil
+	e.m.Do(func(s *offload.Step) { s.Abort(j.req) })
+}
+
+// finishCommands completes a pause or a shutdown whose condition holds,
+// or whose deadline passed. It reports whether the loop must return.
+func (e *Engine) finishCommands() bool {
+	now := time.Now()
+	e.reap()
+	if c := e.pause; c != nil {
+		quiet := !e.copying() && !e.m.HasPendingWork()
+		if c.mode != PauseKeep {
+			quiet = quiet && len(e.active) == 0
+		}
+		switch {
+		case quiet:
+			var err error
+			if c.clear {
+				ctx, cancel := context.WithDeadline(context.Background(), c.deadline)
+				err = e.m.ResetCache(ctx)
+				cancel()
+			}
+			e.pause = nil
+			e.state.Store(int32(Paused))
+			c.reply <- err
+		case !now.Before(c.deadline):
+			run, wait := len(e.active), len(e.waiting)
+			e.pause = nil
+			e.state.Store(int32(Running))
+			c.reply <- fmt.Errorf("%w: %d requests still running, %d waiting, copies in flight: %v", ErrPauseTimeout, run, wait, e.copying())
+		}
+	}
+	if c := e.shutdown; c != nil {
+		if !now.Before(c.deadline) {
+			for _, j := range e.active {
+				e.abort(j, ErrShuttingDown)
+			}
+			e.reap()
+		}
+		if len(e.active) == 0 {
+			c.reply <- nil
+			return true
+		}
+	}
+	e.counts()
+	return false
+}
+
+func (e *Engine) copying() bool {
+	for _, j := range e.active {
+		if j.copying {
+			if done, _ := j.ticket.Done(); !done {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// reap drops aborted requests whose copies finished, freeing their GPU
+// blocks.
+func (e *Engine) reap() {
+	kept := e.active[:0]
+	for _, j := range e.active {
+		if j.reply == nil {
+			if j.copying {
+				if done, _ := j.ticket.Done(); !done {
+					kept = append(kept, j)
+					continue
+				}
+				if j.phase == phaseStoring {
+					e.m.Do(func(s *offload.Step) { s.CompleteStore(j.plan.Keys, j.req, true) })
+				}
+			}
+			e.release(j)
+			continue
+		}
+		kept = append(kept, j)
+	}
+	clear(e.active[len(kept):])
+	e.active = kept
+}
+
+func (e *Engine) release(j *job) {
+	e.free = append(e.free, j.gpu...)
+	j.gpu = nil
+}
+
+// step admits requests, runs one scheduling phase under the manager lock,
+// and advances requests whose copies finished.
+func (e *Engine) step() {
+	if !e.stepping() {
+		return
+	}
+	// Admit in order while GPU blocks last.
+	for e.State() == Running && len(e.waiting) > 0 && len(e.waiting[0].keys) <= len(e.free) {
+		j := e.waiting[0]
+		e.waiting = e.waiting[1:]
+		n := len(j.keys)
+		j.gpu = append([]int32(nil), e.free[len(e.free)-n:]...)
+		e.free = e.free[:len(e.free)-n]
+		j.req = &offload.Request{ID: j.r.ID, TransferParams: j.r.TransferParams}
+		var err error
+		e.m.Do(func(s *offload.Step) { _, err = s.OnNewRequest(j.req) })
+		if err != nil {
+			e.release(j)
+			j.reply <- jobReply{err: err}
+			continue
+		}
+		e.active = append(e.active, j)
+	}
+	lookups := false
+	for _, j := range e.active {
+		lookups = lookups || (j.phase == phaseLookup && j.reply != nil)
+	}
+	if lookups || e.m.HasPendingWork() {
+		s := e.m.Begin()
+		for _, j := range e.active {
+			if j.phase == phaseLookup && j.reply != nil {
+				e.lookup(s, j)
+			}
+		}
+		s.OnScheduleEnd()
+	}
+	for _, j := range e.active {
+		if j.reply == nil || !j.copying {
+			continue
+		}
+		if done, err := j.ticket.Done(); done {
+			j.copying = false
+			e.copied(j, err)
+		}
+	}
+	e.reap()
+	e.finishDone()
+}
+
+// lookup scans a request's prefix like an engine: past Retry and
+// HitPending (so one step asks every tier about the whole prefix), to the
+// first Miss. Once the prefix is settled it pins the hits and starts their
+// CPU → GPU copy.
+func (e *Engine) lookup(s *offload.Step, j *job) {
+	hits, gap, wait := 0, false, false
+	for _, k := range j.keys {
+		r := s.Lookup(k, j.req)
+		if r == offload.Miss {
+			break
+		}
+		if r == offload.Hit && !gap {
+			hits++
+			continue
+		}
+		gap = true
+		wait = wait || r != offload.Hit
+	}
+	if wait {
+		return // progress will wake the loop (S2.10)
+	}
+	slots, err := s.PrepareLoad(j.keys[:hits], j.req)
+	if err != nil {
+		e.fail(j, err)
+		return
+	}
+	j.hits, j.slots = hits, slots
+	for _, k := range j.keys[:hits] {
+		switch s.LoadSource(k, j.req) {
+		case "cpu":
+			j.src.CPU++
+		case "disk":
+			j.src.Disk++
+		default:
+			j.src.Peer++
+		}
+	}
+	j.phase = phaseLoading
+	if hits == 0 {
+		return // nothing to load: compute at once (copied runs below)
+	}
+	pairs := make([]cudakv.Pair, hits)
+	for i := range pairs {
+		pairs[i] = cudakv.Pair{GPU: j.gpu[i], CPU: slots[i]}
+	}
+	e.start(j, func() (*cudakv.Ticket, error) { return e.mv.Load(pairs) })
+}
+
+func (e *Engine) start(j *job, copy func() (*cudakv.Ticket, error)) {
+	t, err := copy()
+	if err != nil {
+		e.fail(j, err)
+		return
+	}
+	j.ticket, j.copying = t, true
+	e.wg.Go(func() {
+		t.Wait()
+		signal(e.wake)
+	})
+}
+
+func (e *Engine) fail(j *job, err error) {
+	e.log.Warn("engine: request failed", "request", j.r.ID, "err", err)
+	e.abort(j, err)
+}
+
+// finishDone advances requests in the loading phase with nothing to load.
+func (e *Engine) finishDone() {
+	for _, j := range e.active {
+		if j.reply != nil && j.phase == phaseLoading && !j.copying && j.hits == 0 {
+			e.copied(j, nil)
+		}
+	}
+}
+
+// copied advances a request whose copy finished: after the load, compute
+// the missing blocks and store them; after the store, answer.
+func (e *Engine) copied(j *job, err error) {
+	switch j.phase {
+	case phaseLoading:
+		var cerr error
+		e.m.Do(func(s *offload.Step) {
+			if j.hits > 0 {
+				cerr = s.CompleteLoad(j.keys[:j.hits], j.req)
+			}
+		})
+		if err == nil {
+			err = cerr
+		}
+		if err != nil {
+			e.fail(j, err)
+			return
+		}
+		buf := make([]byte, e.geo.BlockBytes())
+		for i := j.hits; i < len(j.keys); i++ {
+			Fill(buf, j.keys[i])
+			if err := e.mv.WriteBlock(int(j.gpu[i]), buf); err != nil {
+				e.fail(j, err)
+				return
+			}
+			j.src.Computed++
+		}
+		var plan *offload.StorePlan
+		e.m.Do(func(s *offload.Step) { plan, err = s.PrepareStore(j.keys[j.hits:], j.req) })
+		if err != nil {
+			e.fail(j, err)
+			return
+		}
+		j.plan = plan
+		j.phase = phaseStoring
+		if plan == nil || len(plan.Keys) == 0 {
+			e.answer(j)
+			return
+		}
+		index := map[offload.Key]int{}
+		for i, k := range j.keys {
+			index[k] = i
+		}
+		pairs := make([]cudakv.Pair, len(plan.Keys))
+		for i, k := range plan.Keys {
+			pairs[i] = cudakv.Pair{GPU: j.gpu[index[k]], CPU: plan.Slots[i]}
+		}
+		e.start(j, func() (*cudakv.Ticket, error) { return e.mv.Store(pairs) })
+		if !j.copying {
+			e.m.Do(func(s *offload.Step) { s.CompleteStore(plan.Keys, j.req, false) })
+		}
+	case phaseStoring:
+		e.m.Do(func(s *offload.Step) { s.CompleteStore(j.plan.Keys, j.req, err == nil) })
+		if err != nil {
+			e.fail(j, err)
+			return
+		}
+		e.answer(j)
+	}
+}
+
+// answer computes the request's KV digest, finishes it with the manager
+// and replies.
+func (e *Engine) answer(j *job) {
+	h := sha256.New()
+	buf := make([]byte, e.geo.BlockBytes())
+	for _, b := range j.gpu {
+		if err := e.mv.ReadBlock(int(b), buf); err != nil {
+			e.fail(j, err)
+			return
+		}
+		h.Write(buf)
+	}
+	e.m.Do(func(s *offload.Step) { s.OnRequestFinished(j.req) })
+	j.reply <- jobReply{res: Result{RequestID: j.r.ID, Blocks: len(j.keys), Sources: j.src,
+		KVDigest: hex.EncodeToString(h.Sum(nil)), ElapsedMS: float64(time.Since(j.start).Microseconds()) / 1000}}
+	j.reply = nil
+	j.req = nil
+}
+
+// Fill writes the deterministic contents of block k: what "computing" the
+// block produces on every node.
+func Fill(b []byte, k offload.Key) {
+	x := binary.LittleEndian.Uint64(k[:8]) | 1
+	i := 0
+	for ; i+8 <= len(b); i += 8 {
+		x ^= x << 13
+		x ^= x >> 7
+		x ^= x << 17
+		binary.LittleEndian.PutUint64(b[i:], x)
+	}
+	for ; i < len(b); i++ {
+		b[i] = byte(x >> (8 * (i % 8)))
+	}
+}

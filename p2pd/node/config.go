@@ -1,0 +1,115 @@
+// Package node wires a p2pd node together: the tiering manager with its
+// disk and P2P tiers, the engine, and the admin and request API (HTTP and
+// JSON on a unix socket, optionally loopback TCP; never on the P2P port).
+package node
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"time"
+
+	"github.com/kvtier/kvtier/offload"
+	"github.com/kvtier/kvtier/p2pd/p2p"
+)
+
+// The embedded parts of Config.
+type (
+	Offload = offload.Config
+	P2P     = p2p.Config
+)
+
+// Config is a node's whole configuration; its JSON keys are the snake_case
+// keys of docs/configuration.md.
+type Config struct {
+	Offload
+	P2P
+	// Admin is the admin socket's path (mode 0600).
+	Admin string `json:"admin"`
+	// AdminTCP optionally also serves the admin API on a loopback address.
+	AdminTCP string `json:"admin_tcp"`
+	// GPUBlocks is the engine's GPU KV cache in blocks.
+	GPUBlocks int `json:"gpu_blocks"`
+	// CPUSlots, when set, sizes cpu_bytes to that many slots.
+	CPUSlots int `json:"cpu_slots"`
+	// CopyBackend is cudakv's backend: auto, cuda or host.
+	CopyBackend string `json:"copy_backend"`
+	// ShutdownGrace is how long running requests may finish on shutdown.
+	ShutdownGrace offload.Duration `json:"shutdown_grace"`
+	// ClusterTokenFile holds the cluster token (not the token itself, so
+	// it stays out of process listings and config files).
+	ClusterTokenFile string `json:"cluster_token_file"`
+	LogFormat        string `json:"log_format"`
+	LogLevel         string `json:"log_level"`
+}
+
+// DefaultConfig returns the defaults.
+func DefaultConfig() Config {
+	c := Config{Offload: offload.DefaultConfig(), P2P: p2p.DefaultConfig(), Admin: "./p2pd.sock", GPUBlocks: 1024,
+		CopyBackend: "auto", ShutdownGrace: offload.Duration(30 * time.Second), LogFormat: "text", LogLevel: "info"}
+	return c
+}
+
+// OffloadConfig returns the manager's part, with cpu_slots applied.
+func (c *Config) OffloadConfig() offload.Config {
+	o := c.Offload
+	if c.CPUSlots > 0 {
+		page := int64(4096)
+		o.CPUBytes = int64(c.CPUSlots) * ((int64(o.Geometry.BlockBytes()) + page - 1) / page * page)
+	}
+	return o
+}
+
+// Validate reports the first bad value, naming its key.
+func (c *Config) Validate() error {
+	o := c.OffloadConfig()
+	if err := o.Validate(); err != nil {
+		return err
+	}
+	if err := c.P2P.Validate(); err != nil {
+		return err
+	}
+	switch {
+	case c.Admin == "":
+		return fmt.Errorf("%w: admin: empty", offload.ErrConfig)
+	case c.GPUBlocks <= 0 || c.GPUBlocks > 1<<24:
+		return fmt.Errorf("%w: gpu_blocks: %d is not in [1, 16777216]", offload.ErrConfig, c.GPUBlocks)
+	case c.CPUSlots < 0:
+		return fmt.Errorf("%w: cpu_slots: %d is negative", offload.ErrConfig, c.CPUSlots)
+	case c.CopyBackend != "auto" && c.CopyBackend != "cuda" && c.CopyBackend != "host":
+		return fmt.Errorf("%w: copy_backend: %q (want auto, cuda or host)", offload.ErrConfig, c.CopyBackend)
+	case c.ShutdownGrace < 0:
+		return fmt.Errorf("%w: shutdown_grace: negative", offload.ErrConfig)
+	case c.LogFormat != "text" && c.LogFormat != "json":
+		return fmt.Errorf("%w: log_format: %q (want text or json)", offload.ErrConfig, c.LogFormat)
+	}
+	if c.AdminTCP != "" {
+		host, _, err := net.SplitHostPort(c.AdminTCP)
+		ip := net.ParseIP(host)
+		if err != nil || (host != "localhost" && (ip == nil || !ip.IsLoopback())) {
+			return fmt.Errorf("%w: admin_tcp: %q is not a loopback host:port", offload.ErrConfig, c.AdminTCP)
+		}
+		if c.AdminTCP == c.Listen {
+			return fmt.Errorf("%w: admin_tcp: the admin API never shares the P2P port", offload.ErrConfig)
+		}
+	}
+	return nil
+}
+
+// LoadConfig reads a JSON config over the defaults. Unknown keys are
+// errors.
+func LoadConfig(r io.Reader) (Config, error) {
+	c := DefaultConfig()
+	data, err := io.ReadAll(r)
+	if err != nil {
+		return c, err
+	}
+	dec := json.NewDecoder(bytes.NewReader(data))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&c); err != nil {
+		return c, fmt.Errorf("%w: %w", offload.ErrConfig, err)
+	}
+	return c, nil
+}

@@ -1,0 +1,417 @@
+package node
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"expvar"
+	"fmt"
+	"log/slog"
+	"math/rand/v2"
+	"net"
+	"net/http"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/kvtier/kvtier/offload"
+	"github.com/kvtier/kvtier/p2pd/engine"
+	"github.com/kvtier/kvtier/p2pd/p2p"
+)
+
+// Node is a running p2pd.
+type Node struct {
+	cfg  Config
+	log  *slog.Logger
+	M    *offload.Manager
+	P2P  *p2p.Tier
+	Eng  *engine.Engine
+	lns  []net.Listener
+	srv  *http.Server
+	stop chan time.Duration // shutdown requested through the API, with its grace
+	once sync.Once
+}
+
+// Start builds and starts a node: manager, tiers (disk first when
+// configured, then P2P), engine and admin API.
+func Start(cfg Config, log *slog.Logger) (*Node, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if cfg.ClusterTokenFile != "" {
+		tok, err := os.ReadFile(cfg.ClusterTokenFile)
+		if err != nil {
+			return nil, fmt.Errorf("%w: cluster_token_file: %w", offload.ErrConfig, err)
+		}
+		cfg.ClusterToken = strings.TrimSpace(string(tok))
+	}
+	n := &Node{cfg: cfg, log: log, stop: make(chan time.Duration, 1)}
+	oc := cfg.OffloadConfig()
+	oc.Logger = log
+	var specs []offload.TierSpec
+	if oc.DiskDir != "" {
+		specs = append(specs, offload.DiskTier(oc.DiskConfig))
+	}
+	ps := p2p.Spec(cfg.P2P, oc, nil)
+	newP2P := ps.New
+	ps.New = func(env offload.TierEnv) (offload.Tier, error) {
+		t, err := newP2P(env)
+		if err == nil {
+			n.P2P = t.(*p2p.Tier)
+		}
+		return t, err
+	}
+	specs = append(specs, ps)
+	m, err := offload.New(oc, specs...)
+	if err != nil {
+		return nil, err
+	}
+	n.M = m
+	n.Eng, err = engine.New(m, engine.Config{GPUBlocks: cfg.GPUBlocks, Backend: cfg.CopyBackend, Logger: log})
+	if err != nil {
+		m.Close()
+		return nil, err
+	}
+	go n.Eng.Run()
+	if err := n.listen(); err != nil {
+		n.Eng.Shutdown(0)
+		n.Eng.Close()
+		m.Close()
+		return nil, err
+	}
+	return n, nil
+}
+
+// listen opens the admin socket (0600) and, if configured, loopback TCP.
+func (n *Node) listen() error {
+	os.Remove(n.cfg.Admin) // a stale socket from a crashed run
+	ln, err := net.Listen("unix", n.cfg.Admin)
+	if err != nil {
+		return fmt.Errorf("admin socket %s: %w", n.cfg.Admin, err)
+	}
+	if err := os.Chmod(n.cfg.Admin, 0o600); err != nil {
+		ln.Close()
+		return err
+	}
+	n.lns = append(n.lns, ln)
+	if n.cfg.AdminTCP != "" {
+		tl, err := net.Listen("tcp", n.cfg.AdminTCP)
+		if err != nil {
+			ln.Close()
+			return fmt.Errorf("admin_tcp %s: %w", n.cfg.AdminTCP, err)
+		}
+		n.lns = append(n.lns, tl)
+	}
+	n.srv = &http.Server{Handler: n.mux(), ReadHeaderTimeout: 10 * time.Second}
+	for _, l := range n.lns {
+		go n.srv.Serve(l)
+	}
+	return nil
+}
+
+// AdminAddrs are the admin API's addresses.
+func (n *Node) AdminAddrs() []string {
+	var out []string
+	for _, l := range n.lns {
+		out = append(out, l.Addr().String())
+	}
+	return out
+}
+
+// ShutdownRequested receives the grace of a shutdown asked for through
+// the API.
+func (n *Node) ShutdownRequested() <-chan time.Duration { return n.stop }
+
+// Shutdown stops the node (S5.5): no new requests (503), running ones
+// finish within grace (then are aborted), the poll goroutine stops, tiers
+// drain and peers get a goodbye. The admin API answers status until the
+// end. It is idempotent.
+func (n *Node) Shutdown(grace time.Duration) error {
+	var err error
+	n.once.Do(func() {
+		n.log.Info("shutting down", "grace", grace)
+		errs := []error{n.Eng.Shutdown(grace), n.Eng.Close()}
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		errs = append(errs, n.srv.Shutdown(ctx))
+		cancel()
+		errs = append(errs, n.M.Close())
+		os.Remove(n.cfg.Admin)
+		err = errors.Join(errs...)
+	})
+	return err
+}
+
+func (n *Node) mux() *http.ServeMux {
+	mux := http.NewServeMux()
+	mux.HandleFunc("POST /v0/pause", n.pause)
+	mux.HandleFunc("POST /v0/resume", n.resume)
+	mux.HandleFunc("GET /v0/status", n.status)
+	mux.HandleFunc("GET /v0/peers", n.peers)
+	mux.HandleFunc("POST /v0/reset-cache", n.resetCache)
+	mux.HandleFunc("POST /v0/shutdown", n.shutdown)
+	mux.HandleFunc("GET /v0/health", func(w http.ResponseWriter, r *http.Request) { reply(w, 200, map[string]bool{"ok": true}) })
+	mux.HandleFunc("POST /v0/requests", n.request)
+	mux.HandleFunc("GET /metrics", n.metrics)
+	mux.Handle("GET /debug/vars", expvar.Handler())
+	return mux
+}
+
+func reply(w http.ResponseWriter, code int, v any) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(code)
+	json.NewEncoder(w).Encode(v)
+}
+
+func fail(w http.ResponseWriter, code int, format string, args ...any) {
+	reply(w, code, map[string]string{"error": fmt.Sprintf(format, args...)})
+}
+
+// params parses the query, rejecting unknown names.
+func params(w http.ResponseWriter, r *http.Request, known ...string) (map[string]string, bool) {
+	out := map[string]string{}
+	for k, v := range r.URL.Query() {
+		if !contains(known, k) {
+			fail(w, 400, "unknown parameter %q (known: %s)", k, strings.Join(known, ", "))
+			return nil, false
+		}
+		out[k] = v[len(v)-1]
+	}
+	return out, true
+}
+
+func contains(list []string, s string) bool {
+	for _, x := range list {
+		if x == s {
+			return true
+		}
+	}
+	return false
+}
+
+func (n *Node) pause(w http.ResponseWriter, r *http.Request) {
+	p, ok := params(w, r, "mode", "clear_cache", "timeout")
+	if !ok {
+		return
+	}
+	mode := engine.PauseMode(orDefault(p["mode"], "wait"))
+	if mode != engine.PauseWait && mode != engine.PauseAbort && mode != engine.PauseKeep {
+		fail(w, 400, "mode %q: want wait, abort or keep", mode)
+		return
+	}
+	clearCache, err := strconv.ParseBool(orDefault(p["clear_cache"], "false"))
+	if err != nil {
+		fail(w, 400, "clear_cache %q: want true or false", p["clear_cache"])
+		return
+	}
+	timeout, err := time.ParseDuration(orDefault(p["timeout"], "60s"))
+	if err != nil || timeout <= 0 {
+		fail(w, 400, "timeout %q: want a positive duration such as 10s", p["timeout"])
+		return
+	}
+	start := time.Now()
+	switch err := n.Eng.Pause(mode, clearCache, timeout); {
+	case err == nil:
+		reply(w, 200, map[string]any{"state": n.Eng.State().String(), "elapsed_ms": ms(time.Since(start))})
+	case errors.Is(err, engine.ErrPauseTimeout):
+		fail(w, 504, "%v", err)
+	case errors.Is(err, engine.ErrBadState), errors.Is(err, engine.ErrShuttingDown):
+		fail(w, 409, "%v", err)
+	default:
+		fail(w, 500, "%v", err)
+	}
+}
+
+func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
+
+func orDefault(v, d string) string {
+	if v == "" {
+		return d
+	}
+	return v
+}
+
+func (n *Node) resume(w http.ResponseWriter, r *http.Request) {
+	if _, ok := params(w, r); !ok {
+		return
+	}
+	if err := n.Eng.Resume(); err != nil {
+		fail(w, 409, "%v", err)
+		return
+	}
+	reply(w, 200, map[string]string{"state": n.Eng.State().String()})
+}
+
+// Status is GET /v0/status.
+type Status struct {
+	Node     string `json:"node"`
+	State    string `json:"state"`
+	Requests struct {
+		Running int `json:"running"`
+		Waiting int `json:"waiting"`
+	} `json:"requests"`
+	CPUTier struct {
+		Slots  int `json:"slots"`
+		Used   int `json:"used"`
+		Pinned int `json:"pinned"`
+	} `json:"cpu_tier"`
+	Peers          int    `json:"peers"`
+	HasPendingWork bool   `json:"has_pending_work"`
+	Poll           string `json:"poll"`
+	P2P            string `json:"p2p"`
+	Copies         string `json:"copies"`
+}
+
+func (n *Node) status(w http.ResponseWriter, r *http.Request) {
+	var s Status
+	s.Node, s.State, s.P2P, s.Copies = n.P2P.NodeID(), n.Eng.State().String(), n.P2P.Addr(), n.Eng.Backend()
+	s.Requests.Running, s.Requests.Waiting = n.Eng.Counts()
+	m := n.M.Metrics()
+	s.CPUTier.Slots, s.CPUTier.Used, s.CPUTier.Pinned = m.CPU.Slots, m.CPU.Used, m.CPU.Pinned
+	for _, t := range m.Tiers {
+		for _, st := range t.Stats {
+			if st.Name == "kv_offload_p2p_sessions" {
+				s.Peers = int(st.Value)
+			}
+		}
+	}
+	s.HasPendingWork, s.Poll = n.M.HasPendingWork(), m.Poll
+	reply(w, 200, s)
+}
+
+func (n *Node) peers(w http.ResponseWriter, r *http.Request) {
+	var ps []p2p.PeerInfo
+	n.M.Do(func(*offload.Step) { ps = n.P2P.Peers() })
+	if ps == nil {
+		ps = []p2p.PeerInfo{}
+	}
+	reply(w, 200, map[string]any{"node": n.P2P.NodeID(), "p2p": n.P2P.Addr(), "peers": ps})
+}
+
+func (n *Node) resetCache(w http.ResponseWriter, r *http.Request) {
+	ctx, cancel := context.WithTimeout(r.Context(), 60*time.Second)
+	defer cancel()
+	start := time.Now()
+	if err := n.M.ResetCache(ctx); err != nil {
+		fail(w, 409, "%v", err)
+		return
+	}
+	reply(w, 200, map[string]any{"reset": true, "elapsed_ms": ms(time.Since(start))})
+}
+
+func (n *Node) shutdown(w http.ResponseWriter, r *http.Request) {
+	p, ok := params(w, r, "grace")
+	if !ok {
+		return
+	}
+	grace := time.Duration(n.cfg.ShutdownGrace)
+	if g := p["grace"]; g != "" {
+		d, err := time.ParseDuration(g)
+		if err != nil || d < 0 {
+			fail(w, 400, "grace %q: want a duration such as 10s", g)
+			return
+		}
+		grace = d
+	}
+	select {
+	case n.stop <- grace:
+	default:
+	}
+	reply(w, 200, map[string]string{"state": "shutting_down"})
+}
+
+func (n *Node) metrics(w http.ResponseWriter, r *http.Request) {
+	w.Header().Set("Content-Type", "text/plain; version=0.0.4")
+	n.M.Metrics().WritePrometheus(w)
+}
+
+// requestBody is POST /v0/requests.
+type requestBody struct {
+	RequestID      string         `json:"request_id"`
+	PromptTokenIDs []uint32       `json:"prompt_token_ids"`
+	Seed           *uint64        `json:"seed"`
+	Tokens         int            `json:"tokens"`
+	TransferParams map[string]any `json:"kv_transfer_params"`
+}
+
+// MaxTokens bounds a request's prompt.
+const MaxTokens = 1 << 22
+
+var requestSeq struct {
+	sync.Mutex
+	n uint64
+}
+
+func (n *Node) request(w http.ResponseWriter, r *http.Request) {
+	var b requestBody
+	dec := json.NewDecoder(http.MaxBytesReader(w, r.Body, 64<<20))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&b); err != nil {
+		fail(w, 400, "body: %v", err)
+		return
+	}
+	tokens := b.PromptTokenIDs
+	switch {
+	case len(tokens) > 0 && b.Seed != nil:
+		fail(w, 400, "give prompt_token_ids or seed and tokens, not both")
+		return
+	case b.Seed != nil:
+		if b.Tokens <= 0 || b.Tokens > MaxTokens {
+			fail(w, 400, "tokens %d: want 1 to %d", b.Tokens, MaxTokens)
+			return
+		}
+		tokens = SeededTokens(*b.Seed, b.Tokens)
+	case len(tokens) == 0:
+		fail(w, 400, "give prompt_token_ids, or seed and tokens")
+		return
+	case len(tokens) > MaxTokens:
+		fail(w, 400, "%d tokens: at most %d", len(tokens), MaxTokens)
+		return
+	}
+	if len(b.RequestID) > 256 {
+		fail(w, 400, "request_id longer than 256 bytes")
+		return
+	}
+	if b.RequestID == "" {
+		requestSeq.Lock()
+		requestSeq.n++
+		b.RequestID = fmt.Sprintf("req-%d", requestSeq.n)
+		requestSeq.Unlock()
+	}
+	if b.TransferParams != nil {
+		if src, ok := b.TransferParams["remote_kv_source"]; ok {
+			m, _ := src.(map[string]any)
+			id, _ := m["kv_request_id"].(string)
+			host, _ := m["remote_host"].(string)
+			if id == "" || host == "" || m["remote_port"] == nil {
+				fail(w, 400, "kv_transfer_params.remote_kv_source needs kv_request_id, remote_host and remote_port")
+				return
+			}
+		}
+	}
+	res, err := n.Eng.Submit(r.Context(), engine.Request{ID: b.RequestID, Tokens: tokens, TransferParams: b.TransferParams})
+	switch {
+	case err == nil:
+		reply(w, 200, res)
+	case errors.Is(err, engine.ErrShuttingDown):
+		fail(w, 503, "%v", err)
+	case errors.Is(err, engine.ErrTooLarge), errors.Is(err, offload.ErrRequestExists):
+		fail(w, 400, "%v", err)
+	case errors.Is(err, engine.ErrAborted):
+		fail(w, 409, "%v", err)
+	default:
+		fail(w, 500, "%v", err)
+	}
+}
+
+// SeededTokens is the prompt of {"seed": S, "tokens": N}: the same on
+// every node.
+func SeededTokens(seed uint64, n int) []uint32 {
+	rng := rand.New(rand.NewPCG(seed, 0x6b76746965720000))
+	out := make([]uint32, n)
+	for i := range out {
+		out[i] = uint32(rng.IntN(151936))
+	}
+	return out
+}
