@@ -1,0 +1,323 @@
+// Command kvctl drives a p2pd node through its admin API: status, pause,
+// resume, shutdown, reset-cache, submit, metrics, peers.
+//
+// Exit status: 0 on success, 1 when the operation failed, 2 on a usage
+// error.
+package main
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"math"
+	"net"
+	"net/url"
+	"os"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/kvtier/kvtier/ctl"
+)
+
+const usage = `usage: kvctl [-admin PATH | -admin-tcp ADDR] COMMAND [flags]
+
+commands:
+  status [--json]                          the node's state
+  pause [--mode wait|abort|keep] [--clear-cache] [--timeout 60s]
+  resume
+  shutdown [--grace 30s]
+  reset-cache
+  submit (--tokens-seed S --tokens N | --tokens-file F)
+         [--remote-kv-source host:port --kv-request-id ID] [--request-id ID] [--json]
+  metrics                                  Prometheus text
+  peers [--json]
+`
+
+type usageError struct{ msg string }
+
+func (e usageError) Error() string { return e.msg }
+
+func main() {
+	err := run(os.Args[1:], os.Stdout, os.Stderr)
+	var ue usageError
+	switch {
+	case err == nil:
+	case errors.As(err, &ue):
+		fmt.Fprintf(os.Stderr, "kvctl: %v\n\n%s", err, usage)
+		os.Exit(2)
+	default:
+		fmt.Fprintln(os.Stderr, "kvctl:", err)
+		os.Exit(1)
+	}
+}
+
+func run(args []string, out, errw io.Writer) error {
+	top := flag.NewFlagSet("kvctl", flag.ContinueOnError)
+	top.SetOutput(io.Discard)
+	admin := top.String("admin", "./p2pd.sock", "p2pd's admin socket")
+	adminTCP := top.String("admin-tcp", "", "p2pd's admin loopback TCP address")
+	if err := top.Parse(args); err != nil {
+		return usageError{err.Error()}
+	}
+	if top.NArg() == 0 {
+		return usageError{"no command"}
+	}
+	c := ctl.New(*admin, *adminTCP)
+	cmd, rest := top.Arg(0), top.Args()[1:]
+	fs := flag.NewFlagSet(cmd, flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	asJSON := fs.Bool("json", false, "print JSON")
+	ctx := context.Background()
+	interactive := isTerminal(errw)
+	switch cmd {
+	case "status":
+		if err := fs.Parse(rest); err != nil {
+			return usageError{err.Error()}
+		}
+		s, err := c.Status(ctx)
+		if err != nil {
+			return err
+		}
+		if *asJSON {
+			return printJSON(out, s)
+		}
+		fmt.Fprintf(out, "node %s (%s): %s\nrequests: %d running, %d waiting\nCPU tier: %d of %d slots used, %d pinned\npeers: %d · pending work: %v · poll goroutine: %s · copies: %s\n",
+			s.Node, s.P2P, s.State, s.Requests.Running, s.Requests.Waiting, s.CPUTier.Used, s.CPUTier.Slots, s.CPUTier.Pinned,
+			s.Peers, s.HasPendingWork, s.Poll, s.Copies)
+		return nil
+	case "pause":
+		mode := fs.String("mode", "wait", "wait, abort or keep")
+		clearCache := fs.Bool("clear-cache", false, "reset the cache once quiet")
+		timeout := fs.Duration("timeout", 60*time.Second, "give up after this long")
+		if err := fs.Parse(rest); err != nil {
+			return usageError{err.Error()}
+		}
+		q := url.Values{"mode": {*mode}, "clear_cache": {strconv.FormatBool(*clearCache)}, "timeout": {timeout.String()}}
+		var res map[string]any
+		stop := progress(ctx, c, interactive, errw, "pausing")
+		err := c.Do(ctx, "POST", "/v0/pause", q, nil, &res)
+		stop()
+		if err != nil {
+			return explain(err)
+		}
+		fmt.Fprintf(out, "paused in %v ms\n", res["elapsed_ms"])
+		return nil
+	case "resume":
+		if err := fs.Parse(rest); err != nil {
+			return usageError{err.Error()}
+		}
+		if err := c.Do(ctx, "POST", "/v0/resume", nil, nil, nil); err != nil {
+			return explain(err)
+		}
+		fmt.Fprintln(out, "running")
+		return nil
+	case "shutdown":
+		grace := fs.Duration("grace", 30*time.Second, "time running requests get to finish")
+		if err := fs.Parse(rest); err != nil {
+			return usageError{err.Error()}
+		}
+		if err := c.Do(ctx, "POST", "/v0/shutdown", url.Values{"grace": {grace.String()}}, nil, nil); err != nil {
+			return explain(err)
+		}
+		// Wait until the node is gone, showing what still runs.
+		wctx, cancel := context.WithTimeout(ctx, *grace+30*time.Second)
+		defer cancel()
+		err := c.Wait(wctx, 100*time.Millisecond, func(ctl.Status) bool { return false }, func(s ctl.Status) {
+			if interactive {
+				fmt.Fprintf(errw, "\rshutting down: %d requests running   ", s.Requests.Running)
+			}
+		})
+		if interactive {
+			fmt.Fprintln(errw)
+		}
+		var ne *net.OpError
+		if err != nil && !errors.As(err, &ne) && !strings.Contains(err.Error(), "cannot reach") {
+			return err
+		}
+		fmt.Fprintln(out, "stopped")
+		return nil
+	case "reset-cache":
+		if err := fs.Parse(rest); err != nil {
+			return usageError{err.Error()}
+		}
+		var res map[string]any
+		if err := c.Do(ctx, "POST", "/v0/reset-cache", nil, nil, &res); err != nil {
+			return explain(err)
+		}
+		fmt.Fprintf(out, "cache reset in %v ms\n", res["elapsed_ms"])
+		return nil
+	case "submit":
+		seed := fs.String("tokens-seed", "", "seed of a generated prompt")
+		n := fs.Int("tokens", 0, "length of the generated prompt")
+		file := fs.String("tokens-file", "", "file of whitespace-separated token ids")
+		src := fs.String("remote-kv-source", "", "host:port of a peer to fetch KV from")
+		kvID := fs.String("kv-request-id", "", "the request id both peers use")
+		id := fs.String("request-id", "", "this node's request id (default: generated)")
+		if err := fs.Parse(rest); err != nil {
+			return usageError{err.Error()}
+		}
+		body := map[string]any{}
+		switch {
+		case *file != "" && *seed == "":
+			toks, err := readTokens(*file)
+			if err != nil {
+				return err
+			}
+			body["prompt_token_ids"] = toks
+		case *seed != "" && *file == "" && *n > 0:
+			s, err := strconv.ParseUint(*seed, 10, 64)
+			if err != nil {
+				return usageError{"--tokens-seed wants a non-negative integer"}
+			}
+			body["seed"], body["tokens"] = s, *n
+		default:
+			return usageError{"submit wants --tokens-seed S --tokens N, or --tokens-file F"}
+		}
+		if *id != "" {
+			body["request_id"] = *id
+		}
+		if *src != "" {
+			host, port, err := net.SplitHostPort(*src)
+			if err != nil || *kvID == "" {
+				return usageError{"--remote-kv-source wants host:port, together with --kv-request-id"}
+			}
+			body["kv_transfer_params"] = map[string]any{"remote_kv_source": map[string]any{"kv_request_id": *kvID, "remote_host": host, "remote_port": port}}
+		}
+		var res struct {
+			RequestID string `json:"request_id"`
+			Blocks    int    `json:"blocks"`
+			Sources   struct {
+				CPU, Disk, Peer, Computed int
+			} `json:"sources"`
+			KVDigest  string  `json:"kv_digest"`
+			ElapsedMS float64 `json:"elapsed_ms"`
+		}
+		var raw string
+		if err := c.Do(ctx, "POST", "/v0/requests", nil, body, &raw); err != nil {
+			return explain(err)
+		}
+		if *asJSON {
+			fmt.Fprint(out, raw)
+			return nil
+		}
+		json.Unmarshal([]byte(raw), &res)
+		fmt.Fprintf(out, "%s: %d blocks (cpu %d, disk %d, peer %d, computed %d) in %.1f ms\nkv_digest %s\n", res.RequestID, res.Blocks,
+			res.Sources.CPU, res.Sources.Disk, res.Sources.Peer, res.Sources.Computed, res.ElapsedMS, res.KVDigest)
+		return nil
+	case "metrics":
+		if err := fs.Parse(rest); err != nil {
+			return usageError{err.Error()}
+		}
+		var text string
+		if err := c.Do(ctx, "GET", "/metrics", nil, nil, &text); err != nil {
+			return explain(err)
+		}
+		fmt.Fprint(out, text)
+		return nil
+	case "peers":
+		if err := fs.Parse(rest); err != nil {
+			return usageError{err.Error()}
+		}
+		var res struct {
+			Node  string `json:"node"`
+			Peers []struct {
+				Node     string `json:"node"`
+				Addr     string `json:"addr"`
+				Ready    bool   `json:"ready"`
+				Dialed   bool   `json:"dialed"`
+				Requests int    `json:"requests"`
+				Rounds   int    `json:"rounds"`
+			} `json:"peers"`
+		}
+		if err := c.Do(ctx, "GET", "/v0/peers", nil, nil, &res); err != nil {
+			return explain(err)
+		}
+		if *asJSON {
+			return printJSON(out, res)
+		}
+		if len(res.Peers) == 0 {
+			fmt.Fprintln(out, "no peers")
+		}
+		for _, p := range res.Peers {
+			fmt.Fprintf(out, "%-20s %-22s ready=%v dialed=%v requests=%d rounds=%d\n", p.Node, p.Addr, p.Ready, p.Dialed, p.Requests, p.Rounds)
+		}
+		return nil
+	}
+	return usageError{fmt.Sprintf("unknown command %q", cmd)}
+}
+
+func printJSON(w io.Writer, v any) error {
+	e := json.NewEncoder(w)
+	e.SetIndent("", "  ")
+	return e.Encode(v)
+}
+
+// explain adds what to try to the API's errors.
+func explain(err error) error {
+	var ae *ctl.APIError
+	if !errors.As(err, &ae) {
+		return err
+	}
+	switch ae.Code {
+	case 504:
+		return fmt.Errorf("%w (try a longer --timeout, or --mode abort)", err)
+	case 409:
+		return fmt.Errorf("%w (check kvctl status)", err)
+	case 503:
+		return fmt.Errorf("%w (the node is shutting down)", err)
+	}
+	return err
+}
+
+// progress shows, on a terminal, what a long wait is waiting for.
+func progress(ctx context.Context, c *ctl.Client, on bool, w io.Writer, what string) func() {
+	if !on {
+		return func() {}
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		c.Wait(ctx, 500*time.Millisecond, func(ctl.Status) bool { return false }, func(s ctl.Status) {
+			fmt.Fprintf(w, "\r%s: %d running, %d waiting   ", what, s.Requests.Running, s.Requests.Waiting)
+		})
+	}()
+	return func() {
+		cancel()
+		<-done
+		fmt.Fprint(w, "\r"+strings.Repeat(" ", 50)+"\r")
+	}
+}
+
+func isTerminal(w io.Writer) bool {
+	f, ok := w.(*os.File)
+	if !ok {
+		return false
+	}
+	st, err := f.Stat()
+	return err == nil && st.Mode()&os.ModeCharDevice != 0
+}
+
+func readTokens(path string) ([]uint32, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	var out []uint32
+	sc := bufio.NewScanner(f)
+	sc.Split(bufio.ScanWords)
+	for sc.Scan() {
+		v, err := strconv.ParseUint(sc.Text(), 10, 32)
+		if err != nil || v > math.MaxUint32 {
+			return nil, fmt.Errorf("%s: %q is not a token id", path, sc.Text())
+		}
+		out = append(out, uint32(v))
+	}
+	return out, sc.Err()
+}
