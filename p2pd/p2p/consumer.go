@@ -216,6 +216,7 @@ func (t *Tier) quarantine(s *session, round uint64, l *load) {
 	t.st.quarantines++
 	delete(s.loads, round)
 	l.cr.failed = true
+	t.env.Progress()
 	s.quar = append(s.quar, l)
 	t.log.Warn("p2p: abort not acknowledged; quarantining the load's slots", "peer", s.peer, "round", round)
 	peer, addr, info := s.peer, s.peerAddr, s.peerInfo

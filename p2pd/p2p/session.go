@@ -398,6 +398,9 @@ func (t *Tier) kill(s *session, reason string) {
 	for _, cr := range s.creqs {
 		cr.failed = true
 	}
+	if len(s.creqs) > 0 {
+		t.env.Progress() // their lookups now answer Miss (S2.10)
+	}
 	// Producer side: every pin fails (the data plane's write callbacks
 	// find the session dead and only report).
 	for _, r := range s.rounds {
@@ -471,6 +474,7 @@ func (t *Tier) timeouts(s *session, now time.Time) time.Time {
 				t.st.loadTimeouts++
 				l.abortedAt = now
 				l.cr.failed = true
+				t.env.Progress()
 				t.send(s, wire.AbortFetch{ReqID: l.cr.kvID, Round: round})
 				d = now.Add(time.Duration(cfg.AbortAckTimeout))
 			}

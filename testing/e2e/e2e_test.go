@@ -1,0 +1,362 @@
+// Package e2e starts real p2pd processes (tiny geometry) and drives them
+// with real kvctl processes.
+package e2e
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"runtime"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+)
+
+var bin string // directory of the built p2pd and kvctl
+
+func TestMain(m *testing.M) {
+	dir, err := os.MkdirTemp("", "kvtier-e2e-")
+	if err != nil {
+		panic(err)
+	}
+	goTool := filepath.Join(runtime.GOROOT(), "bin", "go")
+	out, err := exec.Command(goTool, "build", "-o", dir+"/", "github.com/kvtier/kvtier/p2pd/cmd/p2pd",
+		"github.com/kvtier/kvtier/ctl/cmd/kvctl").CombinedOutput()
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "building p2pd and kvctl: %v\n%s", err, out)
+		os.RemoveAll(dir)
+		os.Exit(1)
+	}
+	bin = dir
+	code := m.Run()
+	os.RemoveAll(dir)
+	os.Exit(code)
+}
+
+type node struct {
+	t      *testing.T
+	cmd    *exec.Cmd
+	admin  string
+	p2p    string
+	mu     sync.Mutex
+	log    bytes.Buffer
+	exited chan error
+}
+
+var readyRE = regexp.MustCompile(`msg=ready .*p2p=(\S+)`)
+
+// start runs p2pd with the tiny geometry and its admin socket in a temp
+// dir, and waits for its ready line.
+func start(t *testing.T, args ...string) *node {
+	t.Helper()
+	dir := t.TempDir()
+	n := &node{t: t, admin: filepath.Join(dir, "p2pd.sock"), exited: make(chan error, 1)}
+	args = append([]string{"-model", "tiny", "-cpu-slots", "256", "-gpu-blocks", "128", "-admin", n.admin,
+		"-p2p-listen", "127.0.0.1:0"}, args...)
+	n.cmd = exec.Command(filepath.Join(bin, "p2pd"), args...)
+	stderr, err := n.cmd.StderrPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := n.cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	ready := make(chan string, 1)
+	go func() {
+		sc := bufio.NewScanner(stderr)
+		for sc.Scan() {
+			line := sc.Text()
+			n.mu.Lock()
+			n.log.WriteString(line + "\n")
+			n.mu.Unlock()
+			if m := readyRE.FindStringSubmatch(line); m != nil {
+				ready <- m[1]
+			}
+		}
+		n.exited <- n.cmd.Wait()
+	}()
+	select {
+	case n.p2p = <-ready:
+	case <-time.After(20 * time.Second):
+		n.cmd.Process.Kill()
+		t.Fatalf("p2pd not ready:\n%s", n.logs())
+	}
+	t.Cleanup(func() {
+		n.cmd.Process.Signal(syscall.SIGTERM)
+		select {
+		case <-n.exited:
+		case <-time.After(20 * time.Second):
+			n.cmd.Process.Kill()
+			t.Errorf("p2pd did not stop on SIGTERM:\n%s", n.logs())
+		}
+	})
+	return n
+}
+
+func (n *node) logs() string {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	return n.log.String()
+}
+
+// kvctl runs kvctl against the node and returns stdout and the exit code.
+func (n *node) kvctl(args ...string) (string, int) {
+	n.t.Helper()
+	cmd := exec.Command(filepath.Join(bin, "kvctl"), append([]string{"-admin", n.admin}, args...)...)
+	var out, errb bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &errb
+	err := cmd.Run()
+	code := 0
+	if ee, ok := err.(*exec.ExitError); ok {
+		code = ee.ExitCode()
+	} else if err != nil {
+		n.t.Fatal(err)
+	}
+	return out.String() + errb.String(), code
+}
+
+type result struct {
+	RequestID string `json:"request_id"`
+	Blocks    int    `json:"blocks"`
+	Sources   struct {
+		CPU, Disk, Peer, Computed int
+	} `json:"sources"`
+	KVDigest string `json:"kv_digest"`
+}
+
+// submit runs a request through kvctl and decodes its JSON answer.
+func (n *node) submit(args ...string) (result, string, int) {
+	n.t.Helper()
+	out, code := n.kvctl(append([]string{"submit", "--json"}, args...)...)
+	var r result
+	if code == 0 {
+		if err := json.Unmarshal([]byte(out), &r); err != nil {
+			n.t.Fatalf("submit answer %q: %v", out, err)
+		}
+	}
+	return r, out, code
+}
+
+// S3.6, S5.3: pause (wait, no cache clear) on an idle P2P-only producer
+// returns at once — well within a 2 s timeout — and the paused producer
+// still serves a consumer, with equal digests.
+func TestPausedProducerServes(t *testing.T) {
+	prod, cons := start(t), start(t)
+	want, out, code := prod.submit("--tokens-seed", "7", "--tokens", "200")
+	if code != 0 || want.Sources.Computed != 12 {
+		t.Fatalf("producer prefill: %d %s", code, out)
+	}
+	if out, code := prod.kvctl("pause", "--timeout", "2s"); code != 0 {
+		t.Fatalf("pause of an idle producer: %d %s", code, out)
+	}
+	got, out, code := cons.submit("--tokens-seed", "7", "--tokens", "200", "--remote-kv-source", prod.p2p, "--kv-request-id", "kv-7")
+	if code != 0 {
+		t.Fatalf("consumer: %d %s", code, out)
+	}
+	if got.Sources.Peer != 12 || got.KVDigest != want.KVDigest {
+		t.Errorf("consumer got %+v; want 12 blocks from the peer and digest %s", got, want.KVDigest)
+	}
+	if out, _ := prod.kvctl("status", "--json"); !strings.Contains(out, `"state": "paused"`) {
+		t.Errorf("producer status %s", out)
+	}
+}
+
+// blackHole accepts connections and never answers: a peer whose handshake
+// hangs, so a consumer request stays in flight until handshake_timeout.
+func blackHole(t *testing.T) string {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mu sync.Mutex
+	var conns []net.Conn
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			conns = append(conns, c)
+			mu.Unlock()
+		}
+	}()
+	t.Cleanup(func() {
+		ln.Close()
+		mu.Lock()
+		for _, c := range conns {
+			c.Close()
+		}
+		mu.Unlock()
+	})
+	return ln.Addr().String()
+}
+
+// inFlight starts a consumer request against a black hole and waits
+// until the node reports it running.
+func inFlight(t *testing.T, n *node, hole string) chan string {
+	done := make(chan string, 1)
+	go func() {
+		_, out, code := n.submit("--tokens-seed", "9", "--tokens", "64", "--remote-kv-source", hole, "--kv-request-id", "kv-hole")
+		done <- fmt.Sprintf("%d %s", code, out)
+	}()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		out, _ := n.kvctl("status", "--json")
+		if strings.Contains(out, `"running": 1`) {
+			return done
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("request never ran: %s", out)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// fastConfig writes a config that makes a hung peer's handshake give up
+// after 2 s, and returns the -config flag for it.
+func fastConfig(t *testing.T) []string {
+	path := filepath.Join(t.TempDir(), "p2pd.json")
+	if err := os.WriteFile(path, []byte(`{"handshake_timeout": "2s"}`), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return []string{"-config", path, "-model", "tiny"}
+}
+
+// waitLog waits until the node logged s.
+func (n *node) waitLog(s string) {
+	n.t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for !strings.Contains(n.logs(), s) {
+		if time.Now().After(deadline) {
+			n.t.Fatalf("never logged %q:\n%s", s, n.logs())
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// S5.3: a pause that times out returns an error (504, exit 1) and never
+// hangs, and the node goes on running.
+func TestPauseTimeout(t *testing.T) {
+	n := start(t, fastConfig(t)...)
+	done := inFlight(t, n, blackHole(t))
+	out, code := n.kvctl("pause", "--timeout", "300ms")
+	if code != 1 || !strings.Contains(out, "timed out") {
+		t.Errorf("pause with a request running: exit %d, %q; want 1 and a timeout error", code, out)
+	}
+	if res := <-done; !strings.HasPrefix(res, "0 ") {
+		t.Errorf("the request after a timed-out pause: %s", res)
+	}
+}
+
+// S5.3: mode=abort aborts the running request, then pauses.
+func TestPauseAbort(t *testing.T) {
+	n := start(t, fastConfig(t)...)
+	done := inFlight(t, n, blackHole(t))
+	if out, code := n.kvctl("pause", "--mode", "abort", "--timeout", "10s"); code != 0 {
+		t.Fatalf("pause abort: %d %s", code, out)
+	}
+	if res := <-done; !strings.HasPrefix(res, "1 ") || !strings.Contains(res, "aborted") {
+		t.Errorf("the running request: %s; want it aborted", res)
+	}
+}
+
+// S5.3, S5.4: mode=keep freezes the running request — it does not finish
+// while paused, even once its peer gave up — and resume lets it finish.
+func TestPauseKeepResume(t *testing.T) {
+	n := start(t, fastConfig(t)...)
+	done := inFlight(t, n, blackHole(t))
+	if out, code := n.kvctl("pause", "--mode", "keep", "--timeout", "10s"); code != 0 {
+		t.Fatalf("pause keep: %d %s", code, out)
+	}
+	n.waitLog("handshake timed out")
+	select {
+	case res := <-done:
+		t.Fatalf("a frozen request finished while paused: %s", res)
+	default:
+	}
+	if out, _ := n.kvctl("status", "--json"); !strings.Contains(out, `"running": 1`) {
+		t.Errorf("status while frozen: %s", out)
+	}
+	if out, code := n.kvctl("resume"); code != 0 {
+		t.Fatalf("resume: %d %s", code, out)
+	}
+	if res := <-done; !strings.HasPrefix(res, "0 ") {
+		t.Errorf("the request after resume: %s", res)
+	}
+}
+
+// S5.5: SIGTERM with a request in flight exits 0 once it finished.
+func TestSigtermInFlight(t *testing.T) {
+	n := start(t, fastConfig(t)...)
+	done := inFlight(t, n, blackHole(t))
+	n.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case err := <-n.exited:
+		n.exited <- err
+		if err != nil {
+			t.Errorf("exit after SIGTERM: %v\n%s", err, n.logs())
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatal("p2pd did not exit")
+	}
+	<-done
+	if !strings.Contains(n.logs(), "msg=stopped") {
+		t.Errorf("no clean stop in the log:\n%s", n.logs())
+	}
+}
+
+// S8.3: bad parameters get 400 with a message; the admin socket is 0600.
+func TestAdminAPI(t *testing.T) {
+	n := start(t)
+	fi, err := os.Stat(n.admin)
+	if err != nil || fi.Mode().Perm() != 0o600 {
+		t.Errorf("admin socket mode %v (%v), want 0600", fi.Mode().Perm(), err)
+	}
+	c := &http.Client{Transport: &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+		return (&net.Dialer{}).DialContext(ctx, "unix", n.admin)
+	}}}
+	for _, tc := range []struct {
+		method, path, body string
+		code               int
+	}{
+		{"POST", "/v0/requests", `{}`, 400},
+		{"POST", "/v0/requests", `{"seed": 1, "tokens": 0}`, 400},
+		{"POST", "/v0/requests", `{"prompt_token_ids": [1], "seed": 1, "tokens": 5}`, 400},
+		{"POST", "/v0/requests", `{"nope": 1}`, 400},
+		{"POST", "/v0/requests", `{"seed": 1, "tokens": 32, "kv_transfer_params": {"remote_kv_source": {"kv_request_id": "x"}}}`, 400},
+		{"POST", "/v0/pause?mode=sometimes", ``, 400},
+		{"POST", "/v0/pause?timeout=soon", ``, 400},
+		{"POST", "/v0/pause?color=red", ``, 400},
+		{"POST", "/v0/shutdown?grace=-1s", ``, 400},
+		{"POST", "/v0/resume", ``, 409},
+		{"GET", "/v0/health", ``, 200},
+		{"GET", "/debug/vars", ``, 200},
+		{"POST", "/v0/requests", `{"seed": 1, "tokens": 48}`, 200},
+	} {
+		req, _ := http.NewRequest(tc.method, "http://p2pd"+tc.path, strings.NewReader(tc.body))
+		resp, err := c.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var body map[string]any
+		json.NewDecoder(resp.Body).Decode(&body)
+		resp.Body.Close()
+		if resp.StatusCode != tc.code {
+			t.Errorf("%s %s %s: %d %v, want %d", tc.method, tc.path, tc.body, resp.StatusCode, body, tc.code)
+		}
+		if tc.code == 400 && body["error"] == "" {
+			t.Errorf("%s %s: 400 without an error message", tc.method, tc.path)
+		}
+	}
+}
