@@ -58,9 +58,9 @@ fuzz:
 	$(OFFLINE) $(GO) test -run '^$$' -fuzz '^FuzzReadFrame$$' -fuzztime $(FUZZTIME) github.com/kvtier/kvtier/p2pd/wire
 	$(OFFLINE) $(GO) test -run '^$$' -fuzz '^FuzzSession$$' -fuzztime $(FUZZTIME) github.com/kvtier/kvtier/p2pd/p2p
 
-## demo: an engine-like workload through the tiering manager
-demo:
-	$(OFFLINE) $(GO) run github.com/kvtier/kvtier/testing/cmd/kvdemo
+## demo: two p2pd on loopback: compute, fetch, pause, fetch from the paused node, shut down
+demo: build
+	$(OFFLINE) $(GO) run github.com/kvtier/kvtier/testing/cmd/kvdemo -bin bin
 
 ## generate: rebuild the kernels' fatbin and record the source hash (installs nvcc if missing)
 generate:
