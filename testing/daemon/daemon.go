@@ -1,0 +1,173 @@
+// Package daemon starts and measures real p2pd processes, for kvdemo and
+// kvbench.
+package daemon
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/kvtier/kvtier/ctl"
+)
+
+// BlockBytes is a qwen3-0.6b block.
+const BlockBytes = 28 * 2 * 16 * 8 * 128 * 2
+
+// Proc is a running p2pd.
+type Proc struct {
+	Name   string
+	Cmd    *exec.Cmd
+	C      *ctl.Client
+	P2P    string // host:port
+	Slots  int
+	exited chan error
+	Log    string
+}
+
+var readyRE = regexp.MustCompile(`msg=ready .*p2p=(\S+)`)
+
+// Start runs bin/p2pd with the qwen3-0.6b geometry, slots CPU slots and
+// GPU blocks, its socket and log in dir, and waits for its ready line.
+func Start(dir, bin, name string, slots int, extra ...string) (*Proc, error) {
+	logPath := filepath.Join(dir, name+".log")
+	logf, err := os.Create(logPath)
+	if err != nil {
+		return nil, err
+	}
+	sock := filepath.Join(dir, name+".sock")
+	s := strconv.Itoa(slots)
+	args := append([]string{"-model", "qwen3-0.6b", "-cpu-slots", s, "-gpu-blocks", s,
+		"-admin", sock, "-p2p-listen", "127.0.0.1:0", "-node-id", name}, extra...)
+	cmd := exec.Command(filepath.Join(bin, "p2pd"), args...)
+	stderr, err := cmd.StderrPipe()
+	if err != nil {
+		return nil, err
+	}
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("starting p2pd (run make build first): %w", err)
+	}
+	p := &Proc{Name: name, Cmd: cmd, C: ctl.New(sock, ""), Slots: slots, exited: make(chan error, 1), Log: logPath}
+	ready := make(chan string, 1)
+	go func() {
+		sc := bufio.NewScanner(stderr)
+		for sc.Scan() {
+			fmt.Fprintln(logf, sc.Text())
+			if m := readyRE.FindStringSubmatch(sc.Text()); m != nil {
+				ready <- m[1]
+			}
+		}
+		logf.Close()
+		p.exited <- cmd.Wait()
+	}()
+	select {
+	case p.P2P = <-ready:
+		return p, nil
+	case err := <-p.exited:
+		return nil, fmt.Errorf("%s exited before ready: %v (log: %s)", name, err, logPath)
+	case <-time.After(60 * time.Second):
+		cmd.Process.Kill()
+		return nil, fmt.Errorf("%s not ready in 60 s (log: %s)", name, logPath)
+	}
+}
+
+// Result is a request's answer.
+type Result struct {
+	Blocks  int `json:"blocks"`
+	Sources struct {
+		CPU, Disk, Peer, Computed int
+	} `json:"sources"`
+	KVDigest  string  `json:"kv_digest"`
+	ElapsedMS float64 `json:"elapsed_ms"`
+}
+
+// Prompt is the request body of the benchmark prompt: seed, blocks
+// blocks of 16 tokens, optionally fetched from a peer.
+func Prompt(seed, blocks int, id, peer string) map[string]any {
+	b := map[string]any{"seed": seed, "tokens": blocks * 16}
+	if id != "" {
+		b["request_id"] = id
+	}
+	if peer != "" {
+		i := strings.LastIndexByte(peer, ':')
+		b["kv_transfer_params"] = map[string]any{"remote_kv_source": map[string]any{"kv_request_id": id,
+			"remote_host": peer[:i], "remote_port": peer[i+1:]}}
+	}
+	return b
+}
+
+// Submit runs a request.
+func (p *Proc) Submit(body map[string]any) (Result, error) {
+	var r Result
+	err := p.C.Do(context.Background(), "POST", "/v0/requests", nil, body, &r)
+	return r, err
+}
+
+// Stop sends SIGTERM and returns the exit code and how long the exit
+// took (-1 if it had to be killed after 60 s).
+func (p *Proc) Stop() (int, time.Duration) {
+	t0 := time.Now()
+	p.Cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case err := <-p.exited:
+		var ee *exec.ExitError
+		if errors.As(err, &ee) {
+			return ee.ExitCode(), time.Since(t0)
+		}
+		return 0, time.Since(t0)
+	case <-time.After(60 * time.Second):
+		p.Cmd.Process.Kill()
+		return -1, time.Since(t0)
+	}
+}
+
+// Kill ends the process at once (cleanup).
+func (p *Proc) Kill() { p.Cmd.Process.Kill() }
+
+// CtxSwitches sums the context switches of every thread of the process.
+func (p *Proc) CtxSwitches() (int64, error) {
+	tasks, err := filepath.Glob(fmt.Sprintf("/proc/%d/task/*/status", p.Cmd.Process.Pid))
+	if err != nil || len(tasks) == 0 {
+		return 0, fmt.Errorf("reading /proc/%d/task: %v", p.Cmd.Process.Pid, err)
+	}
+	var n int64
+	for _, t := range tasks {
+		b, err := os.ReadFile(t)
+		if err != nil {
+			continue // a thread that just exited
+		}
+		for _, line := range strings.Split(string(b), "\n") {
+			if f := strings.Fields(line); len(f) == 2 && strings.HasSuffix(f[0], "ctxt_switches:") {
+				v, _ := strconv.ParseInt(f[1], 10, 64)
+				n += v
+			}
+		}
+	}
+	return n, nil
+}
+
+// RSS is the process's resident memory.
+func (p *Proc) RSS() int64 {
+	b, _ := os.ReadFile(fmt.Sprintf("/proc/%d/status", p.Cmd.Process.Pid))
+	for _, line := range strings.Split(string(b), "\n") {
+		if f := strings.Fields(line); len(f) >= 2 && f[0] == "VmRSS:" {
+			v, _ := strconv.ParseInt(f[1], 10, 64)
+			return v << 10
+		}
+	}
+	return 0
+}
+
+// RSSBeyondCaches is RSS minus the CPU arena and the GPU cache, both
+// populated at start (slots of each, page-rounded for the arena).
+func (p *Proc) RSSBeyondCaches() int64 {
+	return p.RSS() - int64(p.Slots)*int64((BlockBytes+4095)/4096*4096) - int64(p.Slots)*BlockBytes
+}
