@@ -5,7 +5,7 @@ PKGS    := github.com/kvtier/kvtier/...
 OFFLINE := GOFLAGS=-mod=vendor GOPROXY=off
 GO      ?= go
 
-.PHONY: all build test fmt-check vet race nocgo vendor vendor-check bench demo clean generate check-cuda gpu-bundle fuzz
+.PHONY: all build test fmt-check vet race nocgo vendor vendor-check bench kvbench demo clean generate check-cuda gpu-bundle fuzz
 
 # The CUDA kernels: compiled by nvcc into a committed fatbin (sm_80, sm_90
 # and compute_80 PTX) that cudakv embeds; copy.cu.sha256 records the source
@@ -49,6 +49,10 @@ vendor-check: vendor
 ## bench: the project's Go benchmarks, each beside its baseline in the same run
 bench:
 	$(OFFLINE) $(GO) test -run '^$$' -bench . -count 5 $(PKGS)
+
+## kvbench: the daemon benchmarks (B1-B4, M1) with two p2pd processes; writes kvbench.json
+kvbench: build
+	$(OFFLINE) $(GO) run github.com/kvtier/kvtier/testing/cmd/kvbench -bin bin -json kvbench.json
 
 ## fuzz: run every fuzz target for FUZZTIME (default 10s) each
 FUZZTIME ?= 10s

@@ -36,12 +36,14 @@ func run(bin string, blocks int) error {
 		return err
 	}
 	defer os.RemoveAll(dir)
-	prod, err := daemon.Start(dir, bin, "producer", blocks+64)
+	// The whole prompt is promoted as one 1 GiB batch; a slow machine may
+	// need longer than the default 5 s HitPending bound for it.
+	prod, err := daemon.Start(dir, bin, "producer", blocks+64, "-hit-pending-timeout", "60s")
 	if err != nil {
 		return err
 	}
 	defer prod.Kill()
-	cons, err := daemon.Start(dir, bin, "consumer", blocks+64)
+	cons, err := daemon.Start(dir, bin, "consumer", blocks+64, "-hit-pending-timeout", "60s")
 	if err != nil {
 		return err
 	}

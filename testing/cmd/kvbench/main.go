@@ -1,0 +1,344 @@
+// Command kvbench runs the daemon benchmarks side by side with their
+// baselines (BENCHMARKS.md): B1 (a consumer p2pd fetching from a producer
+// p2pd, beside plain TCP between two processes), B2 (pause latency, idle
+// and under fetch load), B3 (idle context switches), B4 (SIGTERM → exit,
+// idle and with a fetch in flight) and M1 (memory beyond the caches). It
+// prints one table — project, baseline, ratio, target, verdict — and
+// writes the same as JSON.
+//
+//	kvbench [-bin bin] [-blocks 576] [-json kvbench.json]
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"io"
+	"net"
+	"net/url"
+	"os"
+	"os/exec"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/kvtier/kvtier/testing/daemon"
+)
+
+// Row is one line of the table.
+type Row struct {
+	ID       string `json:"id"`
+	What     string `json:"what"`
+	Project  string `json:"project"`
+	Baseline string `json:"baseline"`
+	Ratio    string `json:"ratio"`
+	Target   string `json:"target"`
+	Verdict  string `json:"verdict"`
+}
+
+func main() {
+	if len(os.Args) > 1 && os.Args[1] == "sink" {
+		sink()
+		return
+	}
+	bin := flag.String("bin", "bin", "directory with p2pd (make build)")
+	blocks := flag.Int("blocks", 576, "blocks in the prompt")
+	rounds := flag.Int("rounds", 3, "timed rounds of B1")
+	out := flag.String("json", "kvbench.json", "where to write the table as JSON")
+	flag.Parse()
+	rows, err := run(*bin, *blocks, *rounds)
+	print(rows)
+	if b, jerr := json.MarshalIndent(rows, "", "  "); jerr == nil {
+		os.WriteFile(*out, b, 0o644)
+	}
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "kvbench:", err)
+		os.Exit(1)
+	}
+}
+
+func print(rows []Row) {
+	fmt.Printf("\n%-4s %-52s %-22s %-20s %-8s %-14s %s\n", "id", "what", "project", "baseline", "ratio", "target", "verdict")
+	for _, r := range rows {
+		fmt.Printf("%-4s %-52s %-22s %-20s %-8s %-14s %s\n", r.ID, r.What, r.Project, r.Baseline, r.Ratio, r.Target, r.Verdict)
+	}
+}
+
+func verdict(ok bool) string {
+	if ok {
+		return "met"
+	}
+	return "NOT MET"
+}
+
+func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
+
+func median(v []float64) float64 {
+	s := slices.Clone(v)
+	slices.Sort(s)
+	return s[len(s)/2]
+}
+
+func run(bin string, blocks, rounds int) ([]Row, error) {
+	var rows []Row
+	dir, err := os.MkdirTemp("", "kvbench-")
+	if err != nil {
+		return nil, err
+	}
+	defer os.RemoveAll(dir)
+	slots := blocks + 64
+	// A whole 1 GiB prompt is promoted as one batch; on a slow machine that
+	// can take longer than the default 5 s HitPending bound, which would
+	// (correctly) make the consumer recompute instead of fetching.
+	prod, err := daemon.Start(dir, bin, "producer", slots, "-hit-pending-timeout", "60s")
+	if err != nil {
+		return nil, err
+	}
+	defer prod.Kill()
+	cons, err := daemon.Start(dir, bin, "consumer", slots, "-hit-pending-timeout", "60s")
+	if err != nil {
+		return nil, err
+	}
+	defer cons.Kill()
+	total := float64(blocks * daemon.BlockBytes)
+	want, err := prod.Submit(daemon.Prompt(42, blocks, "", ""))
+	if err != nil {
+		return nil, err
+	}
+	ctx := context.Background()
+	round := 0
+	fetch := func() (daemon.Result, error) {
+		if err := cons.C.Do(ctx, "POST", "/v0/reset-cache", nil, nil, nil); err != nil {
+			return daemon.Result{}, err
+		}
+		round++
+		r, err := cons.Submit(daemon.Prompt(42, blocks, fmt.Sprintf("bench-%d", round), prod.P2P))
+		if err == nil && (r.Sources.Peer != blocks || r.KVDigest != want.KVDigest) {
+			err = fmt.Errorf("fetch %d: %d of %d blocks from the peer (%+v), digest equal %v", round, r.Sources.Peer, blocks, r.Sources, r.KVDigest == want.KVDigest)
+		}
+		return r, err
+	}
+	if _, err := fetch(); err != nil { // warm-up
+		return nil, err
+	}
+
+	// B1.
+	// The P2P tier's own transfer time (promotion job submitted → result:
+	// fetch, data plane, CRC) from the consumer's metrics, and the whole
+	// request (lookups, fetch and the CPU → GPU load).
+	var project, whole, base []float64
+	for range rounds {
+		s0, err := p2pReadSeconds(cons)
+		if err != nil {
+			return rows, err
+		}
+		r, err := fetch()
+		if err != nil {
+			return rows, err
+		}
+		s1, _ := p2pReadSeconds(cons)
+		project = append(project, total/(s1-s0)/1e9)
+		whole = append(whole, total/(r.ElapsedMS/1000)/1e9)
+	}
+	ds, err := plainTCP(int(total), 4, rounds)
+	if err != nil {
+		return rows, err
+	}
+	for _, d := range ds {
+		base = append(base, total/d.Seconds()/1e9)
+	}
+	p, w, b := median(project), median(whole), median(base)
+	rows = append(rows, Row{"B1", fmt.Sprintf("P2P fetch, %d blocks, two processes (median of %d)", blocks, rounds),
+		fmt.Sprintf("%.2f GB/s", p), fmt.Sprintf("%.2f GB/s plain TCP", b), fmt.Sprintf("%.2f", p/b), "≥ 0.9", verdict(p/b >= 0.9)})
+	rows = append(rows, Row{"B1", "  the whole request (lookups, fetch, CPU → GPU load)", fmt.Sprintf("%.2f GB/s", w), "", fmt.Sprintf("%.2f", w/b), "", ""})
+
+	// B3 and M1, idle.
+	c0, err := prod.CtxSwitches()
+	if err != nil {
+		return rows, err
+	}
+	time.Sleep(5 * time.Second)
+	c1, _ := prod.CtxSwitches()
+	cs := float64(c1-c0) / 5
+	rows = append(rows, Row{"B3", "idle producer: context switches/s, all threads, 5 s", fmt.Sprintf("%.1f/s", cs), "—", "—", "≤ 1/s", verdict(cs <= 1)})
+	idleRSS := float64(prod.RSSBeyondCaches()) / (1 << 20)
+	rows = append(rows, Row{"M1", "producer RSS beyond CPU arena and GPU cache, idle", fmt.Sprintf("%.1f MiB", idleRSS), "—", "—", "< 64 MiB", verdict(idleRSS < 64)})
+
+	// B2, idle and under fetch load.
+	pauses := func() ([]float64, error) {
+		var lat []float64
+		for range 20 {
+			t0 := time.Now()
+			err := prod.C.Do(ctx, "POST", "/v0/pause", url.Values{"mode": {"wait"}, "clear_cache": {"false"}, "timeout": {"10s"}}, nil, nil)
+			lat = append(lat, ms(time.Since(t0)))
+			if err != nil {
+				return lat, err
+			}
+			if err := prod.C.Do(ctx, "POST", "/v0/resume", nil, nil, nil); err != nil {
+				return lat, err
+			}
+		}
+		slices.Sort(lat)
+		return lat, nil
+	}
+	lat, err := pauses()
+	if err != nil {
+		return rows, err
+	}
+	rows = append(rows, Row{"B2", "pause wait, idle P2P-only producer (p50/p99 of 20)", fmt.Sprintf("%.2f / %.2f ms", lat[9], lat[19]), "—", "—", "p99 ≤ 2 ms", verdict(lat[19] <= 2)})
+	var stop atomic.Bool
+	var wg sync.WaitGroup
+	var loadErr error
+	var peakRSS atomic.Int64
+	wg.Go(func() {
+		for !stop.Load() {
+			if _, err := fetch(); err != nil {
+				loadErr = err
+				return
+			}
+			peakRSS.Store(max(peakRSS.Load(), prod.RSSBeyondCaches()))
+		}
+	})
+	time.Sleep(200 * time.Millisecond)
+	lat, err = pauses()
+	peakRSS.Store(max(peakRSS.Load(), prod.RSSBeyondCaches()))
+	stop.Store(true)
+	wg.Wait()
+	if err != nil {
+		return rows, err
+	}
+	if loadErr != nil {
+		return rows, loadErr
+	}
+	rows = append(rows, Row{"B2", "pause wait, producer under fetch load (p50/p99 of 20)", fmt.Sprintf("%.2f / %.2f ms", lat[9], lat[19]), "—", "—", "p99 ≤ 5 ms", verdict(lat[19] <= 5)})
+	loadRSS := float64(peakRSS.Load()) / (1 << 20)
+	rows = append(rows, Row{"M1", "producer RSS beyond the caches, under fetch load", fmt.Sprintf("%.1f MiB", loadRSS), "—", "—", "< 64 MiB", verdict(loadRSS < 64)})
+
+	// B4, with a fetch in flight: SIGTERM the producer mid-transfer.
+	done := make(chan error, 1)
+	go func() { _, err := fetch(); done <- err }()
+	for {
+		st, err := cons.C.Status(ctx)
+		if err != nil {
+			return rows, err
+		}
+		if st.Requests.Running > 0 {
+			break
+		}
+		time.Sleep(time.Millisecond)
+	}
+	code, took := prod.Stop()
+	<-done // fails or recomputes: the producer went away
+	rows = append(rows, Row{"B4", "SIGTERM → exit, producer with a fetch in flight", fmt.Sprintf("%.0f ms, exit %d", ms(took), code), "—", "—", "≤ 1 s, exit 0", verdict(code == 0 && took <= time.Second)})
+
+	// B4, idle: a fresh node of the same size.
+	idle, err := daemon.Start(dir, bin, "idle", slots)
+	if err != nil {
+		return rows, err
+	}
+	time.Sleep(time.Second)
+	code, took = idle.Stop()
+	rows = append(rows, Row{"B4", "SIGTERM → exit, idle node", fmt.Sprintf("%.0f ms, exit %d", ms(took), code), "—", "—", "≤ 100 ms, exit 0", verdict(code == 0 && took <= 100*time.Millisecond)})
+	cons.Stop()
+	return rows, nil
+}
+
+// p2pReadSeconds reads the consumer's P2P promotion time from /metrics.
+func p2pReadSeconds(p *daemon.Proc) (float64, error) {
+	var text string
+	if err := p.C.Do(context.Background(), "GET", "/metrics", nil, nil, &text); err != nil {
+		return 0, err
+	}
+	const name = `kv_offload_tiering_transfer_seconds_total{tier="p2p",direction="read"} `
+	for _, line := range strings.Split(text, "\n") {
+		if v, ok := strings.CutPrefix(line, name); ok {
+			return strconv.ParseFloat(v, 64)
+		}
+	}
+	return 0, fmt.Errorf("no %s in the consumer's metrics", name)
+}
+
+// plainTCP sends n bytes over conns loopback connections to a sink in
+// another process, rounds+1 times over new connections each (the first
+// warms both processes' buffers up, like p2pd's warm-up fetch), and
+// returns how long each timed round took until the sink had every byte.
+func plainTCP(n, conns, rounds int) ([]time.Duration, error) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return nil, err
+	}
+	defer ln.Close()
+	self, err := os.Executable()
+	if err != nil {
+		return nil, err
+	}
+	cmd := exec.Command(self, "sink", ln.Addr().String(), strconv.Itoa(conns), strconv.Itoa(n/conns), strconv.Itoa(rounds+1))
+	cmd.Stderr = os.Stderr
+	if err := cmd.Start(); err != nil {
+		return nil, err
+	}
+	defer cmd.Wait()
+	buf := make([]byte, n/conns)
+	for i := range buf {
+		buf[i] = byte(i)
+	}
+	var out []time.Duration
+	for r := range rounds + 1 {
+		var cs []net.Conn
+		for range conns {
+			c, err := ln.Accept()
+			if err != nil {
+				return nil, err
+			}
+			cs = append(cs, c)
+		}
+		t0 := time.Now()
+		var wg sync.WaitGroup
+		for _, c := range cs {
+			wg.Go(func() {
+				c.Write(buf)
+				var ack [1]byte
+				io.ReadFull(c, ack[:])
+				c.Close()
+			})
+		}
+		wg.Wait()
+		if r > 0 {
+			out = append(out, time.Since(t0))
+		}
+	}
+	return out, nil
+}
+
+// sink is the baseline's receiving process: for each round it dials conns
+// connections and reads n bytes on each into its buffers, then acks.
+func sink() {
+	addr := os.Args[2]
+	conns, _ := strconv.Atoi(os.Args[3])
+	n, _ := strconv.Atoi(os.Args[4])
+	rounds, _ := strconv.Atoi(os.Args[5])
+	bufs := make([][]byte, conns)
+	for i := range bufs {
+		bufs[i] = make([]byte, n)
+	}
+	for range rounds {
+		var wg sync.WaitGroup
+		for _, buf := range bufs {
+			c, err := net.Dial("tcp", addr)
+			if err != nil {
+				fmt.Fprintln(os.Stderr, "kvbench sink:", err)
+				os.Exit(1)
+			}
+			wg.Go(func() {
+				defer c.Close()
+				io.ReadFull(c, buf)
+				c.Write([]byte{1})
+			})
+		}
+		wg.Wait()
+	}
+}
