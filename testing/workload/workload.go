@@ -7,12 +7,12 @@ package workload
 
 import (
 	"bytes"
-	"encoding/binary"
 	"fmt"
 	"math/rand/v2"
 	"time"
 
 	"github.com/kvtier/kvtier/offload"
+	"github.com/kvtier/kvtier/p2pd/engine"
 )
 
 // Spec describes the workload.
@@ -43,20 +43,8 @@ type Report struct {
 }
 
 // Fill writes the deterministic contents of block k into b: what
-// "computing" the block produces on every node.
-func Fill(b []byte, k offload.Key) {
-	x := binary.LittleEndian.Uint64(k[:8]) | 1
-	i := 0
-	for ; i+8 <= len(b); i += 8 {
-		x ^= x << 13
-		x ^= x >> 7
-		x ^= x << 17
-		binary.LittleEndian.PutUint64(b[i:], x)
-	}
-	for ; i < len(b); i++ {
-		b[i] = byte(x >> (8 * (i % 8)))
-	}
-}
+// "computing" the block produces on every node (the reference engine's).
+func Fill(b []byte, k offload.Key) { engine.Fill(b, k) }
 
 // Run runs spec through m, one request at a time, each in engine steps:
 // look up the prefix, load the hits, compute the rest, store it.
