@@ -360,3 +360,48 @@ func TestAdminAPI(t *testing.T) {
 		}
 	}
 }
+
+// S5.5: SIGTERM to a producer while a consumer fetches from it: the
+// producer exits 0, and the consumer's request still answers with the
+// same KV (fetched, or recomputed where the fetch was cut).
+func TestSigtermDuringFetch(t *testing.T) {
+	big := []string{"-cpu-slots", "2200", "-gpu-blocks", "2100"}
+	prod, cons := start(t, big...), start(t, big...)
+	want, out, code := prod.submit("--tokens-seed", "11", "--tokens", "32000")
+	if code != 0 {
+		t.Fatalf("producer: %d %s", code, out)
+	}
+	done := make(chan string, 1)
+	go func() {
+		r, out, code := cons.submit("--tokens-seed", "11", "--tokens", "32000", "--remote-kv-source", prod.p2p, "--kv-request-id", "kv-term")
+		if code != 0 {
+			done <- fmt.Sprintf("exit %d: %s", code, out)
+			return
+		}
+		if r.KVDigest != want.KVDigest {
+			done <- fmt.Sprintf("digest %s, want %s (sources %+v)", r.KVDigest, want.KVDigest, r.Sources)
+			return
+		}
+		done <- ""
+	}()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		out, _ := cons.kvctl("status", "--json")
+		if strings.Contains(out, `"running": 1`) || time.Now().After(deadline) {
+			break
+		}
+	}
+	prod.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case err := <-prod.exited:
+		prod.exited <- err
+		if err != nil {
+			t.Errorf("producer exit: %v\n%s", err, prod.logs())
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("the producer did not exit")
+	}
+	if msg := <-done; msg != "" {
+		t.Errorf("consumer request: %s", msg)
+	}
+}
