@@ -405,3 +405,23 @@ func TestSigtermDuringFetch(t *testing.T) {
 		t.Errorf("consumer request: %s", msg)
 	}
 }
+
+// S5.5: a second signal during the shutdown drain exits at once, non-zero.
+func TestSecondSignal(t *testing.T) {
+	n := start(t, fastConfig(t)...)
+	done := inFlight(t, n, blackHole(t))
+	n.cmd.Process.Signal(syscall.SIGTERM)
+	n.waitLog("shutting down")
+	n.cmd.Process.Signal(syscall.SIGINT)
+	select {
+	case err := <-n.exited:
+		n.exited <- err
+		ee, ok := err.(*exec.ExitError)
+		if !ok || ee.ExitCode() != 1 {
+			t.Errorf("exit after a second signal: %v, want status 1", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("a second signal did not end p2pd")
+	}
+	<-done
+}
