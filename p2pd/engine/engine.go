@@ -111,6 +111,7 @@ type Engine struct {
 	running, queued atomic.Int32
 
 	// loop-owned
+	buf             []byte // one block, for compute and digests
 	waiting, active []*job
 	free            []int32
 	pause           *pauseCmd
