@@ -35,8 +35,6 @@ type supply struct {
 	job  uint64
 }
 
-var lookupSeq uint64
-
 func (t *Tier) onLookup(s *session, m wire.Lookup) error {
 	s.lookups = append(s.lookups, &plookup{msg: m, arrived: time.Now(), state: make([]int8, len(m.Keys))})
 	return nil
@@ -64,8 +62,8 @@ func (t *Tier) serveLookup(s *session, l *plookup, now time.Time) bool {
 	p := t.p
 	m := l.msg
 	if l.req == nil {
-		lookupSeq++
-		l.req = &offload.Request{ID: fmt.Sprintf("p2p:%s:%s:%d:lu%d", s.peer, m.ReqID, m.Round, lookupSeq)}
+		t.lookupSeq++
+		l.req = &offload.Request{ID: fmt.Sprintf("p2p:%s:%s:%d:lu%d", s.peer, m.ReqID, m.Round, t.lookupSeq)}
 		if err := p.OnNewRequest(l.req); err != nil {
 			t.log.Warn("p2p: serving a lookup", "err", err)
 			l.req = nil

@@ -52,6 +52,8 @@ type Tier struct {
 	timerAt  time.Time
 	closed   bool
 	st       stats
+	// lookupSeq numbers the outside requests of served lookups.
+	lookupSeq uint64
 }
 
 type stats struct {
