@@ -2,6 +2,7 @@ package p2p
 
 import (
 	"context"
+	"encoding/binary"
 	"hash/crc32"
 	"io"
 	"net"
@@ -91,11 +92,12 @@ func readBlocks(t *testing.T, l net.Listener, n, size int) map[uint32][]byte {
 					if err != nil {
 						return
 					}
-					b := make([]byte, h.Len)
+					b := make([]byte, h.Len+wire.DataTrailerSize)
 					if _, err := io.ReadFull(c, b); err != nil {
 						return
 					}
-					if crc32.Checksum(b, castagnoli) != h.CRC {
+					b, trailer := b[:h.Len], b[h.Len:]
+					if crc32.Checksum(b, castagnoli) != binary.BigEndian.Uint32(trailer) {
 						t.Errorf("block for slot %d: bad CRC", h.Slot)
 					}
 					ch <- blk{h.Slot, b}

@@ -173,23 +173,26 @@ func (Ping) Type() Type         { return TPing }
 func (Pong) Type() Type         { return TPong }
 
 // DataHeader precedes each block on a data connection; Len bytes of
-// block follow.
+// block follow, then the block's CRC32C (Castagnoli) as 4 bytes, so both
+// sides checksum the bytes chunk by chunk while they are in cache.
 type DataHeader struct {
 	Round uint64
 	Slot  uint32
-	CRC   uint32 // CRC32C (Castagnoli) of the block
 	Len   uint32
 }
 
-// DataHeaderSize is the encoded size of a DataHeader.
-const DataHeaderSize = 20
+// DataHeaderSize is the encoded size of a DataHeader; DataTrailerSize
+// that of the CRC32C after the block.
+const (
+	DataHeaderSize  = 16
+	DataTrailerSize = 4
+)
 
 // PutDataHeader encodes h into b (DataHeaderSize bytes).
 func PutDataHeader(b []byte, h DataHeader) {
 	binary.BigEndian.PutUint64(b[0:], h.Round)
 	binary.BigEndian.PutUint32(b[8:], h.Slot)
-	binary.BigEndian.PutUint32(b[12:], h.CRC)
-	binary.BigEndian.PutUint32(b[16:], h.Len)
+	binary.BigEndian.PutUint32(b[12:], h.Len)
 }
 
 // ReadDataHeader reads one DataHeader.
@@ -199,5 +202,5 @@ func ReadDataHeader(r io.Reader) (DataHeader, error) {
 		return DataHeader{}, err
 	}
 	return DataHeader{Round: binary.BigEndian.Uint64(b[0:]), Slot: binary.BigEndian.Uint32(b[8:]),
-		CRC: binary.BigEndian.Uint32(b[12:]), Len: binary.BigEndian.Uint32(b[16:])}, nil
+		Len: binary.BigEndian.Uint32(b[12:])}, nil
 }

@@ -40,8 +40,8 @@ func TestDataPlaneFaults(t *testing.T) {
 		edit  func(*p2p.Config)
 		stat  string // a consumer metric that must count the fault
 	}{
-		{name: "corrupt", fault: Fault{Corrupt: true, After: 20 + block/2}, stat: "kv_offload_p2p_crc_errors_total"},
-		{name: "cut", fault: Fault{Cut: true, After: 20 + block + 100}},
+		{name: "corrupt", fault: Fault{Corrupt: true, After: 16 + block/2}, stat: "kv_offload_p2p_crc_errors_total"},
+		{name: "cut", fault: Fault{Cut: true, After: 16 + block + 4 + 100}},
 		{name: "drop", fault: Fault{Drop: true, After: 0}, edit: func(c *p2p.Config) {
 			c.LoadTimeout = offload.Duration(300 * time.Millisecond)
 			c.AbortAckTimeout = offload.Duration(300 * time.Millisecond)
