@@ -95,7 +95,7 @@ func (e *Engine) schedulable() bool {
 		return true
 	}
 	for _, j := range e.active {
-		if j.ticket != nil {
+		if j.copying {
 			if done, _ := j.ticket.Done(); done {
 				return true
 			}
