@@ -5,7 +5,7 @@ PKGS    := github.com/kvtier/kvtier/...
 OFFLINE := GOFLAGS=-mod=vendor GOPROXY=off
 GO      ?= go
 
-.PHONY: all build test fmt-check vet race nocgo vendor vendor-check bench kvbench demo clean generate check-cuda gpu-bundle fuzz
+.PHONY: all build test fmt-check vet race nocgo vendor vendor-check bench kvbench demo clean generate check-cuda gpu-bundle fuzz test-nixl
 
 # The CUDA kernels: compiled by nvcc into a committed fatbin (sm_80, sm_90
 # and compute_80 PTX) that cudakv embeds; copy.cu.sha256 records the source
@@ -14,6 +14,12 @@ KERNELS    := cudakv/kernels
 NVCC_FLAGS := -fatbin -O3 -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 -gencode arch=compute_80,code=compute_80
 
 all: build
+
+# NIXL (for the nixl build tag) is not packaged: build it yourself and point
+# NIXL_PREFIX at its install prefix (docs/nixl.md).
+NIXL_PREFIX ?= /opt/nixl
+NIXL_LIB    := $(firstword $(wildcard $(NIXL_PREFIX)/lib/x86_64-linux-gnu $(NIXL_PREFIX)/lib64) $(NIXL_PREFIX)/lib)
+NIXL_ENV    := CGO_CXXFLAGS="-I$(NIXL_PREFIX)/include" CGO_LDFLAGS="-L$(NIXL_LIB) -Wl,-rpath,$(NIXL_LIB)" UCX_TLS=$${UCX_TLS:-tcp} UCX_NET_DEVICES=$${UCX_NET_DEVICES:-lo}
 
 ## build: binaries into bin/
 build:
@@ -35,6 +41,12 @@ race:
 
 nocgo:
 	CGO_ENABLED=0 $(OFFLINE) $(GO) build $(PKGS)
+
+## test-nixl: vet and test nixlgo with the nixl tag against NIXL_PREFIX (over UCX tcp on lo unless UCX_TLS/UCX_NET_DEVICES say otherwise)
+test-nixl:
+	@test -f $(NIXL_PREFIX)/include/nixl.h || { echo "no NIXL at NIXL_PREFIX=$(NIXL_PREFIX) (want include/nixl.h): see docs/nixl.md"; exit 1; }
+	$(OFFLINE) $(NIXL_ENV) $(GO) vet -tags nixl github.com/kvtier/kvtier/nixlgo/...
+	$(OFFLINE) $(NIXL_ENV) $(GO) test -race -count=1 -tags nixl github.com/kvtier/kvtier/nixlgo/...
 
 ## vendor: regenerate vendor/ (needs the module proxy)
 vendor:
