@@ -240,6 +240,29 @@ func (s *Step) Lookup(k Key, req *Request) Result {
 	return s.m.lookupLocked(k, req, -1)
 }
 
+// LookupPrefix scans keys in order the way an engine does: past Retry and
+// HitPending (so one step asks every tier about the whole prefix) up to the
+// first Miss. hits counts the leading Hits; settled is false while any
+// block before that Miss is still Retry or HitPending, and the request
+// should wait for progress (S2.10) before loading.
+func (s *Step) LookupPrefix(keys []Key, req *Request) (hits int, settled bool) {
+	gap := false
+	settled = true
+	for _, k := range keys {
+		r := s.Lookup(k, req)
+		if r == Miss {
+			break
+		}
+		if r == Hit && !gap {
+			hits++
+			continue
+		}
+		gap = true
+		settled = settled && r == Hit
+	}
+	return hits, settled
+}
+
 func (m *Manager) lookupLocked(k Key, req *Request, exclude int) Result {
 	st := req.st
 	if st != nil && st.expired != nil {

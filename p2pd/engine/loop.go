@@ -331,25 +331,11 @@ func (e *Engine) step() {
 	e.finishDone()
 }
 
-// lookup scans a request's prefix like an engine: past Retry and
-// HitPending (so one step asks every tier about the whole prefix), to the
-// first Miss. Once the prefix is settled it pins the hits and starts their
-// CPU → GPU copy.
+// lookup scans a request's prefix (offload.Step.LookupPrefix). Once the
+// prefix is settled it pins the hits and starts their CPU → GPU copy.
 func (e *Engine) lookup(s *offload.Step, j *job) {
-	hits, gap, wait := 0, false, false
-	for _, k := range j.keys {
-		r := s.Lookup(k, j.req)
-		if r == offload.Miss {
-			break
-		}
-		if r == offload.Hit && !gap {
-			hits++
-			continue
-		}
-		gap = true
-		wait = wait || r != offload.Hit
-	}
-	if wait {
+	hits, settled := s.LookupPrefix(j.keys, j.req)
+	if !settled {
 		return // progress will wake the loop (S2.10)
 	}
 	slots, err := s.PrepareLoad(j.keys[:hits], j.req)

@@ -112,25 +112,11 @@ func (n *Node) Fetch(t testing.TB, id, addr string, keys []offload.Key) (hits, m
 	defer n.M.Do(func(s *offload.Step) { s.OnRequestFinished(req) })
 	deadline := time.After(60 * time.Second)
 	for {
-		// Like an engine, the scan goes on past Retry and HitPending (so
-		// one step asks the peer about the whole prefix) and stops at the
-		// first Miss; the request waits while its prefix is not settled.
+		// Like an engine, the request waits while its prefix is not settled.
 		s := n.M.Begin()
-		hits = 0
-		wait, gap := false, false
-		for _, k := range keys {
-			r := s.Lookup(k, req)
-			if r == offload.Miss {
-				break
-			}
-			if r == offload.Hit && !gap {
-				hits++
-				continue
-			}
-			gap = true
-			wait = wait || r != offload.Hit
-		}
-		if !wait {
+		var settled bool
+		hits, settled = s.LookupPrefix(keys, req)
+		if settled {
 			slots, err := s.PrepareLoad(keys[:hits], req)
 			if err != nil {
 				s.OnScheduleEnd()
