@@ -86,6 +86,20 @@ func (c *Client) Do(ctx context.Context, method, path string, q url.Values, body
 	return json.Unmarshal(data, out)
 }
 
+// Result is p2pd's answer to POST /v0/requests.
+type Result struct {
+	RequestID string `json:"request_id"`
+	Blocks    int    `json:"blocks"`
+	Sources   struct {
+		CPU      int `json:"cpu"`
+		Disk     int `json:"disk"`
+		Peer     int `json:"peer"`
+		Computed int `json:"computed"`
+	} `json:"sources"`
+	KVDigest  string  `json:"kv_digest"`
+	ElapsedMS float64 `json:"elapsed_ms"`
+}
+
 // Status is p2pd's GET /v0/status.
 type Status struct {
 	Node     string `json:"node"`

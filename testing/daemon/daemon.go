@@ -79,16 +79,6 @@ func Start(dir, bin, name string, slots int, extra ...string) (*Proc, error) {
 	}
 }
 
-// Result is a request's answer.
-type Result struct {
-	Blocks  int `json:"blocks"`
-	Sources struct {
-		CPU, Disk, Peer, Computed int
-	} `json:"sources"`
-	KVDigest  string  `json:"kv_digest"`
-	ElapsedMS float64 `json:"elapsed_ms"`
-}
-
 // Prompt is the request body of the benchmark prompt: seed, blocks
 // blocks of 16 tokens, optionally fetched from a peer.
 func Prompt(seed, blocks int, id, peer string) map[string]any {
@@ -105,8 +95,8 @@ func Prompt(seed, blocks int, id, peer string) map[string]any {
 }
 
 // Submit runs a request.
-func (p *Proc) Submit(body map[string]any) (Result, error) {
-	var r Result
+func (p *Proc) Submit(body map[string]any) (ctl.Result, error) {
+	var r ctl.Result
 	err := p.C.Do(context.Background(), "POST", "/v0/requests", nil, body, &r)
 	return r, err
 }

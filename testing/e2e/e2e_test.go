@@ -20,6 +20,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/kvtier/kvtier/ctl"
 )
 
 var bin string // directory of the built p2pd and kvctl
@@ -125,20 +127,11 @@ func (n *node) kvctl(args ...string) (string, int) {
 	return out.String() + errb.String(), code
 }
 
-type result struct {
-	RequestID string `json:"request_id"`
-	Blocks    int    `json:"blocks"`
-	Sources   struct {
-		CPU, Disk, Peer, Computed int
-	} `json:"sources"`
-	KVDigest string `json:"kv_digest"`
-}
-
 // submit runs a request through kvctl and decodes its JSON answer.
-func (n *node) submit(args ...string) (result, string, int) {
+func (n *node) submit(args ...string) (ctl.Result, string, int) {
 	n.t.Helper()
 	out, code := n.kvctl(append([]string{"submit", "--json"}, args...)...)
-	var r result
+	var r ctl.Result
 	if code == 0 {
 		if err := json.Unmarshal([]byte(out), &r); err != nil {
 			n.t.Fatalf("submit answer %q: %v", out, err)

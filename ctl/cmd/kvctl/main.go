@@ -188,15 +188,7 @@ func run(args []string, out, errw io.Writer) error {
 			}
 			body["kv_transfer_params"] = map[string]any{"remote_kv_source": map[string]any{"kv_request_id": *kvID, "remote_host": host, "remote_port": port}}
 		}
-		var res struct {
-			RequestID string `json:"request_id"`
-			Blocks    int    `json:"blocks"`
-			Sources   struct {
-				CPU, Disk, Peer, Computed int
-			} `json:"sources"`
-			KVDigest  string  `json:"kv_digest"`
-			ElapsedMS float64 `json:"elapsed_ms"`
-		}
+		var res ctl.Result
 		var raw string
 		if err := c.Do(ctx, "POST", "/v0/requests", nil, body, &raw); err != nil {
 			return explain(err)

@@ -26,6 +26,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/kvtier/kvtier/ctl"
 	"github.com/kvtier/kvtier/testing/daemon"
 )
 
@@ -111,9 +112,9 @@ func run(bin string, blocks, rounds int) ([]Row, error) {
 	}
 	ctx := context.Background()
 	round := 0
-	fetch := func() (daemon.Result, error) {
+	fetch := func() (ctl.Result, error) {
 		if err := cons.C.Do(ctx, "POST", "/v0/reset-cache", nil, nil, nil); err != nil {
-			return daemon.Result{}, err
+			return ctl.Result{}, err
 		}
 		round++
 		r, err := cons.Submit(daemon.Prompt(42, blocks, fmt.Sprintf("bench-%d", round), prod.P2P))
