@@ -100,6 +100,20 @@ type Result struct {
 	ElapsedMS float64 `json:"elapsed_ms"`
 }
 
+// Peers is p2pd's GET /v0/peers.
+type Peers struct {
+	Node  string `json:"node"`
+	P2P   string `json:"p2p"`
+	Peers []struct {
+		Node     string `json:"node"`
+		Addr     string `json:"addr"`
+		Ready    bool   `json:"ready"`
+		Dialed   bool   `json:"dialed"`
+		Requests int    `json:"requests"`
+		Rounds   int    `json:"rounds"`
+	} `json:"peers"`
+}
+
 // Status is p2pd's GET /v0/status.
 type Status struct {
 	Node     string `json:"node"`

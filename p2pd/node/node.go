@@ -280,13 +280,20 @@ func (n *Node) status(w http.ResponseWriter, r *http.Request) {
 	reply(w, 200, s)
 }
 
+// Peers is GET /v0/peers.
+type Peers struct {
+	Node  string         `json:"node"`
+	P2P   string         `json:"p2p"`
+	Peers []p2p.PeerInfo `json:"peers"`
+}
+
 func (n *Node) peers(w http.ResponseWriter, r *http.Request) {
-	var ps []p2p.PeerInfo
-	n.M.Do(func(*offload.Step) { ps = n.P2P.Peers() })
-	if ps == nil {
-		ps = []p2p.PeerInfo{}
+	ps := Peers{Node: n.P2P.NodeID(), P2P: n.P2P.Addr()}
+	n.M.Do(func(*offload.Step) { ps.Peers = n.P2P.Peers() })
+	if ps.Peers == nil {
+		ps.Peers = []p2p.PeerInfo{}
 	}
-	reply(w, 200, map[string]any{"node": n.P2P.NodeID(), "p2p": n.P2P.Addr(), "peers": ps})
+	reply(w, 200, ps)
 }
 
 func (n *Node) resetCache(w http.ResponseWriter, r *http.Request) {

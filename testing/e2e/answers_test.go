@@ -8,6 +8,7 @@ import (
 	"github.com/kvtier/kvtier/ctl"
 	"github.com/kvtier/kvtier/p2pd/engine"
 	p2pnode "github.com/kvtier/kvtier/p2pd/node"
+	"github.com/kvtier/kvtier/p2pd/p2p"
 )
 
 // ctl keeps its own copies of the admin API's answers (it imports nothing
@@ -24,6 +25,10 @@ func TestAnswerShapesAgree(t *testing.T) {
 	r := engine.Result{RequestID: "r1", Blocks: 8, KVDigest: "ab", ElapsedMS: 1.5,
 		Sources: engine.Sources{CPU: 1, Disk: 2, Peer: 3, Computed: 2}}
 	roundTrip(t, r, &ctl.Result{})
+
+	ps := p2pnode.Peers{Node: "n1", P2P: "127.0.0.1:1", Peers: []p2p.PeerInfo{
+		{Node: "n2", Addr: "127.0.0.1:2", Ready: true, Dialed: true, Requests: 1, Rounds: 2}}}
+	roundTrip(t, ps, &ctl.Peers{})
 }
 
 // roundTrip sends v as p2pd would, decodes it into ctl's mirror (no unknown

@@ -215,17 +215,7 @@ func run(args []string, out, errw io.Writer) error {
 		if err := fs.Parse(rest); err != nil {
 			return usageError{err.Error()}
 		}
-		var res struct {
-			Node  string `json:"node"`
-			Peers []struct {
-				Node     string `json:"node"`
-				Addr     string `json:"addr"`
-				Ready    bool   `json:"ready"`
-				Dialed   bool   `json:"dialed"`
-				Requests int    `json:"requests"`
-				Rounds   int    `json:"rounds"`
-			} `json:"peers"`
-		}
+		var res ctl.Peers
 		if err := c.Do(ctx, "GET", "/v0/peers", nil, nil, &res); err != nil {
 			return explain(err)
 		}
