@@ -17,9 +17,12 @@ type BenchConfig struct {
 	Segments []int  // segment sizes in bytes
 	Layers   []int
 	CTAs     []int // CTA caps (CUDA)
+	Threads  []int // CTA sizes (CUDA); default 256
 	Blocks   int   // blocks per batch
 	Reps     int   // timed repetitions per point, after 3 warm-ups
 	Device   int
+	// Baselines beside the ceiling (CUDA): "per-segment", "batched".
+	Baselines []string
 }
 
 // BenchPoint is one measured configuration: GB/s is the median over the
@@ -30,6 +33,7 @@ type BenchPoint struct {
 	Layers    int     `json:"layers"`
 	Engine    string  `json:"engine"` // kernel, contiguous, per-segment, host, copy
 	CTAs      int     `json:"ctas,omitempty"`
+	Threads   int     `json:"threads,omitempty"`
 	GBps      float64 `json:"gb_per_s"`
 	Ratio     float64 `json:"ratio_to_ceiling"`
 	Note      string  `json:"note,omitempty"`
@@ -45,12 +49,12 @@ func RunBench(cfg BenchConfig, progress io.Writer) ([]BenchPoint, error) {
 	var out []BenchPoint
 	for _, layers := range cfg.Layers {
 		for _, seg := range cfg.Segments {
-			pts, err := benchLayout(cfg, layers, seg)
+			pts, err := benchLayout(cfg, layers, seg, progress)
 			if err != nil {
 				return out, err
 			}
 			for _, p := range pts {
-				fmt.Fprintf(progress, "%-5s seg %6d L%-3d %-12s ctas %-3d %7.2f GB/s  %.2f×\n", p.Direction, p.Segment, p.Layers, p.Engine, p.CTAs, p.GBps, p.Ratio)
+				fmt.Fprintf(progress, "%-5s seg %6d L%-3d %-12s ctas %-3d threads %-4d %7.2f GB/s  %.2f×\n", p.Direction, p.Segment, p.Layers, p.Engine, p.CTAs, p.Threads, p.GBps, p.Ratio)
 			}
 			out = append(out, pts...)
 		}
@@ -58,7 +62,7 @@ func RunBench(cfg BenchConfig, progress io.Writer) ([]BenchPoint, error) {
 	return out, nil
 }
 
-func benchLayout(cfg BenchConfig, layers, seg int) ([]BenchPoint, error) {
+func benchLayout(cfg BenchConfig, layers, seg int, progress io.Writer) ([]BenchPoint, error) {
 	layout := Layout{Layers: layers, SegmentBytes: seg, Blocks: cfg.Blocks}
 	stride := (layout.BlockBytes() + 4095) / 4096 * 4096
 	arena, err := unix.Mmap(-1, 0, cfg.Blocks*stride, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS|unix.MAP_POPULATE)
@@ -72,29 +76,44 @@ func benchLayout(cfg BenchConfig, layers, seg int) ([]BenchPoint, error) {
 	for i := range pairs {
 		pairs[i] = Pair{GPU: int32(gpu[i]), CPU: int32(cpu[i])}
 	}
-	bytes := float64(cfg.Blocks * layout.BlockBytes())
-	caps := cfg.CTAs
-	if cfg.Backend == "host" {
-		caps = []int{0}
+	threads := cfg.Threads
+	if len(threads) == 0 {
+		threads = []int{256}
 	}
-	var out []BenchPoint
-	for _, ctas := range caps {
-		spec := Spec{Layout: layout, Arena: arena, SlotStride: stride, Backend: cfg.Backend, Device: cfg.Device, CTAs: ctas}
-		m, err := Open(spec)
-		if err != nil {
-			return nil, err
+	var grids []grid
+	for _, ctas := range cfg.CTAs {
+		for _, threads := range threads {
+			grids = append(grids, grid{ctas, threads})
 		}
-		pts, err := benchMover(m, pairs, bytes, cfg.Reps, stride)
-		m.Close()
-		if err != nil {
-			return nil, err
-		}
-		for i := range pts {
-			pts[i].Segment, pts[i].Layers, pts[i].CTAs = seg, layers, ctas
-		}
-		out = append(out, pts...)
 	}
-	return out, nil
+	if cfg.Backend == "host" || len(grids) == 0 {
+		grids = []grid{{}}
+	}
+	m, err := Open(Spec{Layout: layout, Arena: arena, SlotStride: stride, Backend: cfg.Backend, Device: cfg.Device, CTAs: grids[0].ctas, Threads: grids[0].threads})
+	if err != nil {
+		return nil, err
+	}
+	defer m.Close()
+	fmt.Fprintf(progress, "seg %d L%d: %s, registered %d MiB in %v\n", seg, layers, m.Backend(), len(arena)>>20, m.RegisterTime())
+	out, err := benchMover(m, pairs, grids, cfg.Baselines, cfg.Reps, stride)
+	for i := range out {
+		out[i].Segment, out[i].Layers = seg, layers
+	}
+	return out, err
+}
+
+// grid is a kernel launch shape: CTAs × threads.
+type grid struct{ ctas, threads int }
+
+// baseliner is a backend with baselines beside its kernel (CUDA).
+type baseliner interface {
+	// baseline times engine ("contiguous", "per-segment", "batched")
+	// moving the pairs' bytes; ErrUnavailable when the driver lacks it.
+	baseline(engine string, store bool, pairs []Pair, reps int) (time.Duration, error)
+	// duplex times two contiguous copies at once, half the bytes of n
+	// blocks each way.
+	duplex(n, reps int) (time.Duration, error)
+	setGrid(ctas, threads int)
 }
 
 // timeMedian runs f three times to warm up, then reps times, and returns
@@ -116,52 +135,82 @@ func timeMedian(reps int, f func() error) (time.Duration, error) {
 
 func gbps(bytes float64, d time.Duration) float64 { return bytes / d.Seconds() / 1e9 }
 
-func benchMover(m *Mover, pairs []Pair, bytes float64, reps, stride int) ([]BenchPoint, error) {
-	run := func(store bool) func() error {
-		return func() error {
-			var t *Ticket
-			var err error
-			if store {
-				t, err = m.Store(pairs)
-			} else {
-				t, err = m.Load(pairs)
-			}
-			if err != nil {
-				return err
-			}
-			return t.Wait()
-		}
-	}
+// benchMover measures both directions: the ceiling and the other
+// baselines once, the mover at every CTA cap (the host backend has one),
+// then a store and a load at once.
+func benchMover(m *Mover, pairs []Pair, grids []grid, baselines []string, reps, stride int) ([]BenchPoint, error) {
 	if err := verifyOnce(m, pairs, stride); err != nil {
 		return nil, err
 	}
+	bl, isCUDA := m.backend.(baseliner)
+	bytes := float64(len(pairs) * m.spec.Layout.BlockBytes())
+	ratio := func(ceiling, d time.Duration) float64 { return ceiling.Seconds() / d.Seconds() }
 	var out []BenchPoint
+	var storeCeiling time.Duration
 	for _, dir := range []string{"store", "load"} {
 		store := dir == "store"
-		ceiling, ceilName, note, err := m.ceiling(store, len(pairs), reps)
+		var ceiling time.Duration
+		var err error
+		if isCUDA {
+			ceiling, err = bl.baseline("contiguous", store, pairs, reps)
+			out = append(out, BenchPoint{Direction: dir, Engine: "contiguous", Note: "one cuMemcpyAsync of the same bytes per registered GiB"})
+		} else {
+			ceiling, err = m.goCopy(len(pairs), reps)
+			out = append(out, BenchPoint{Direction: dir, Engine: "copy", Note: "one Go copy of the same bytes"})
+		}
 		if err != nil {
 			return nil, err
 		}
-		d, err := timeMedian(reps, run(store))
-		if err != nil {
-			return nil, err
+		out[len(out)-1].GBps, out[len(out)-1].Ratio = gbps(bytes, ceiling), 1
+		if store {
+			storeCeiling = ceiling
 		}
-		engine := "kernel"
-		if m.Backend() == "host" {
-			engine = "host"
+		for _, engine := range baselines {
+			if !isCUDA {
+				break
+			}
+			p := BenchPoint{Direction: dir, Engine: engine}
+			d, err := bl.baseline(engine, store, pairs, reps)
+			switch {
+			case errors.Is(err, ErrUnavailable):
+				p.Note = err.Error()
+			case err != nil:
+				return nil, err
+			default:
+				p.GBps, p.Ratio = gbps(bytes, d), ratio(ceiling, d)
+			}
+			out = append(out, p)
 		}
-		out = append(out,
-			BenchPoint{Direction: dir, Engine: ceilName, GBps: gbps(bytes, ceiling), Ratio: 1, Note: note},
-			BenchPoint{Direction: dir, Engine: engine, GBps: gbps(bytes, d), Ratio: ceiling.Seconds() / d.Seconds()})
-		if seg, err := m.perSegment(store, pairs, reps); err == nil {
-			out = append(out, BenchPoint{Direction: dir, Engine: "per-segment", GBps: gbps(bytes, seg), Ratio: ceiling.Seconds() / seg.Seconds()})
-		} else if !errors.Is(err, ErrUnavailable) {
-			return nil, err
+		for _, g := range grids {
+			if isCUDA {
+				bl.setGrid(g.ctas, g.threads)
+			}
+			d, err := timeMedian(reps, func() error { return m.move(store, pairs) })
+			if err != nil {
+				return nil, err
+			}
+			engine := "kernel"
+			if !isCUDA {
+				engine = "host"
+			}
+			out = append(out, BenchPoint{Direction: dir, Engine: engine, CTAs: g.ctas, Threads: g.threads, GBps: gbps(bytes, d), Ratio: ratio(ceiling, d)})
 		}
 	}
-	if m.Backend() != "host" {
-		// A store and a load at once, on their two streams.
-		half := len(pairs) / 2
+	if !isCUDA {
+		return out, nil
+	}
+	// A store and a load at once, on their two streams (PCIe is full
+	// duplex), ratios to the one-direction store ceiling; the copy engines
+	// doing the same show what the link allows.
+	const both = "aggregate; ratio to the one-direction store ceiling"
+	d, err := bl.duplex(len(pairs), reps)
+	if err != nil {
+		return nil, err
+	}
+	out = append(out, BenchPoint{Direction: "both", Engine: "contiguous", GBps: gbps(bytes, d), Ratio: ratio(storeCeiling, d), Note: both})
+	half := len(pairs) / 2
+	for _, g := range grids {
+		bl.setGrid(g.ctas, g.threads)
 		d, err := timeMedian(reps, func() error {
 			ts, err := m.Store(pairs[:half])
 			if err != nil {
@@ -169,18 +218,31 @@ func benchMover(m *Mover, pairs []Pair, bytes float64, reps, stride int) ([]Benc
 			}
 			tl, err := m.Load(pairs[half:])
 			if err != nil {
-				return err
+				return errors.Join(err, ts.Wait())
 			}
 			return errors.Join(ts.Wait(), tl.Wait())
 		})
 		if err != nil {
 			return nil, err
 		}
-		ceil := out[0].GBps
-		out = append(out, BenchPoint{Direction: "both", Engine: "kernel", GBps: gbps(bytes, d), Ratio: gbps(bytes, d) / ceil,
-			Note: "aggregate; ratio to the one-direction store ceiling"})
+		out = append(out, BenchPoint{Direction: "both", Engine: "kernel", CTAs: g.ctas, Threads: g.threads, GBps: gbps(bytes, d), Ratio: ratio(storeCeiling, d), Note: both})
 	}
 	return out, nil
+}
+
+// move stores or loads the pairs and waits.
+func (m *Mover) move(store bool, pairs []Pair) error {
+	var t *Ticket
+	var err error
+	if store {
+		t, err = m.Store(pairs)
+	} else {
+		t, err = m.Load(pairs)
+	}
+	if err != nil {
+		return err
+	}
+	return t.Wait()
 }
 
 // verifyOnce fills the GPU blocks, stores, poisons, loads and compares:
@@ -215,32 +277,14 @@ func verifyOnce(m *Mover, pairs []Pair, stride int) error {
 	return nil
 }
 
-// ceiling times the baseline of a direction: one contiguous copy of the
-// same bytes (CUDA), or one Go copy (host).
-func (m *Mover) ceiling(store bool, n, reps int) (time.Duration, string, string, error) {
-	if c, ok := m.backend.(interface {
-		contiguous(store bool, bytes, reps int) (time.Duration, error)
-	}); ok {
-		d, err := c.contiguous(store, n*m.spec.Layout.BlockBytes(), reps)
-		return d, "contiguous", "one cuMemcpyAsync of the same bytes", err
-	}
+// goCopy times the host backend's baseline: one Go copy of the bytes of n
+// blocks.
+func (m *Mover) goCopy(n, reps int) (time.Duration, error) {
 	total := n * m.spec.Layout.BlockBytes()
 	src := make([]byte, total)
 	for i := range src { // real pages, not the shared zero page
 		src[i] = byte(i)
 	}
 	dst := m.spec.Arena[:total]
-	d, err := timeMedian(reps, func() error { copy(dst, src); return nil })
-	return d, "copy", "one Go copy of the same bytes", err
-}
-
-// perSegment times one copy-engine transfer per segment (CUDA only).
-func (m *Mover) perSegment(store bool, pairs []Pair, reps int) (time.Duration, error) {
-	c, ok := m.backend.(interface {
-		perSegment(store bool, pairs []Pair, reps int) (time.Duration, error)
-	})
-	if !ok {
-		return 0, ErrUnavailable
-	}
-	return c.perSegment(store, pairs, reps)
+	return timeMedian(reps, func() error { copy(dst, src); return nil })
 }

@@ -231,11 +231,7 @@ func (b *cudaBackend) submit(pairs []Pair, toCPU bool) (*Ticket, error) {
 		dst[2*i], dst[2*i+1] = p.GPU, p.CPU
 	}
 	l := b.spec.Layout
-	dir := C.int(0)
-	if toCPU {
-		dir = 1
-	}
-	status := C.kv_copy(b.ctx, dir, C.uint64_t(b.bases), r.host, C.uint64_t(r.dev), C.int(len(pairs)),
+	status := C.kv_copy(b.ctx, dirOf(toCPU), C.uint64_t(b.bases), r.host, C.uint64_t(r.dev), C.int(len(pairs)),
 		C.int(l.Segments()), C.uint64_t(l.SegmentBytes), C.uint64_t(l.stride()),
 		C.uint64_t(uintptr(unsafe.Pointer(unsafe.SliceData(b.spec.Arena)))), C.uint64_t(b.spec.SlotStride),
 		C.int(b.spec.CTAs), C.int(b.spec.Threads), r.event)
@@ -332,38 +328,141 @@ func (b *cudaBackend) close() error {
 	return errors.Join(errs...)
 }
 
-// contiguous times one copy-engine transfer of n bytes between the GPU
-// cache and the arena, the ceiling of the benchmarks.
-func (b *cudaBackend) contiguous(store bool, n, reps int) (time.Duration, error) {
-	dir := C.int(0)
-	if store {
-		dir = 1
+func (b *cudaBackend) setGrid(ctas, threads int) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.spec.CTAs, b.spec.Threads = ctas, threads
+}
+
+func (b *cudaBackend) baseline(engine string, store bool, pairs []Pair, reps int) (time.Duration, error) {
+	switch engine {
+	case "contiguous":
+		return b.contiguous(store, len(pairs)*b.spec.Layout.BlockBytes(), reps)
+	case "per-segment":
+		return b.perSegment(store, pairs, reps)
+	case "batched":
+		return b.batched(store, pairs, reps)
 	}
-	host := unsafe.Pointer(unsafe.SliceData(b.spec.Arena))
+	return 0, fmt.Errorf("cudakv: no baseline %q", engine)
+}
+
+// contiguous times the ceiling of the benchmarks: one copy-engine transfer
+// of n bytes between the GPU cache and the arena, split only where the
+// arena's registration is (a copy across two registrations would be staged
+// through pageable memory by the driver).
+func (b *cudaBackend) contiguous(store bool, n, reps int) (time.Duration, error) {
 	return timeMedian(reps, func() error {
-		if err := cudaErr("cuMemcpyAsync", C.kv_memcpy_async(b.ctx, dir, host, C.uint64_t(b.cache), C.size_t(n))); err != nil {
+		if err := b.enqueueContiguous(store, 0, n); err != nil {
 			return err
 		}
-		return cudaErr("cuStreamSynchronize", C.kv_stream_sync(b.ctx, dir))
+		return b.sync(store)
 	})
+}
+
+// duplex times a contiguous store of the first half of n bytes and a
+// contiguous load of the second half, at once on the two streams.
+func (b *cudaBackend) duplex(blocks, reps int) (time.Duration, error) {
+	n := blocks * b.spec.Layout.BlockBytes()
+	return timeMedian(reps, func() error {
+		if err := b.enqueueContiguous(true, 0, n/2); err != nil {
+			return err
+		}
+		if err := b.enqueueContiguous(false, n/2, n-n/2); err != nil {
+			return err
+		}
+		return errors.Join(b.sync(true), b.sync(false))
+	})
+}
+
+// enqueueContiguous queues copies of bytes [off, off+n) between the GPU
+// cache and the arena, split where the arena's registrations meet.
+func (b *cudaBackend) enqueueContiguous(store bool, off, n int) error {
+	host := unsafe.Pointer(unsafe.SliceData(b.spec.Arena))
+	for end := off + n; off < end; {
+		m := min(end, (off/registerChunk+1)*registerChunk) - off
+		if err := cudaErr("cuMemcpyAsync", C.kv_memcpy_async(b.ctx, dirOf(store), unsafe.Add(host, off), C.uint64_t(b.cache+uint64(off)), C.size_t(m))); err != nil {
+			return err
+		}
+		off += m
+	}
+	return nil
+}
+
+func (b *cudaBackend) sync(store bool) error {
+	return cudaErr("cuStreamSynchronize", C.kv_stream_sync(b.ctx, dirOf(store)))
+}
+
+// dirOf is the shim's direction: 1 to the host (store), 0 to the GPU.
+func dirOf(store bool) C.int {
+	if store {
+		return 1
+	}
+	return 0
+}
+
+// segmentCopies calls f with the host and device address of every
+// (pair, segment) of a batch.
+func (b *cudaBackend) segmentCopies(pairs []Pair, f func(host unsafe.Pointer, dev C.uint64_t) error) error {
+	l := b.spec.Layout
+	arena := unsafe.Pointer(unsafe.SliceData(b.spec.Arena))
+	for _, p := range pairs {
+		for s := range l.Segments() {
+			if err := f(unsafe.Add(arena, int(p.CPU)*b.spec.SlotStride+s*l.SegmentBytes), b.segAddr(int(p.GPU), s)); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
 }
 
 // perSegment times one copy-engine transfer per (pair, segment).
 func (b *cudaBackend) perSegment(store bool, pairs []Pair, reps int) (time.Duration, error) {
-	dir := C.int(0)
-	if store {
-		dir = 1
-	}
-	l := b.spec.Layout
+	dir := dirOf(store)
+	seg := C.size_t(b.spec.Layout.SegmentBytes)
 	return timeMedian(reps, func() error {
-		for _, p := range pairs {
-			for s := range l.Segments() {
-				host := unsafe.Add(unsafe.Pointer(unsafe.SliceData(b.spec.Arena)), int(p.CPU)*b.spec.SlotStride+s*l.SegmentBytes)
-				if err := cudaErr("cuMemcpyAsync", C.kv_memcpy_async(b.ctx, dir, host, b.segAddr(int(p.GPU), s), C.size_t(l.SegmentBytes))); err != nil {
-					return err
-				}
-			}
+		err := b.segmentCopies(pairs, func(host unsafe.Pointer, dev C.uint64_t) error {
+			return cudaErr("cuMemcpyAsync", C.kv_memcpy_async(b.ctx, dir, host, dev, seg))
+		})
+		if err != nil {
+			return err
 		}
-		return cudaErr("cuStreamSynchronize", C.kv_stream_sync(b.ctx, dir))
+		return b.sync(store)
+	})
+}
+
+// batched times the driver's batched copy of every (pair, segment) in one
+// call, or returns ErrUnavailable when the driver lacks it (before CUDA
+// 12.8). The address arrays live in C memory.
+func (b *cudaBackend) batched(store bool, pairs []Pair, reps int) (time.Duration, error) {
+	dir := dirOf(store)
+	n := len(pairs) * b.spec.Layout.Segments()
+	arrays := C.malloc(C.size_t(3 * 8 * n))
+	if arrays == nil {
+		return 0, errors.New("cudakv: malloc failed")
+	}
+	defer C.free(arrays)
+	dsts := unsafe.Slice((*C.uint64_t)(arrays), 3*n)
+	srcs, sizes := dsts[n:2*n], unsafe.Slice((*C.size_t)(unsafe.Pointer(&dsts[2*n])), n)
+	i := 0
+	b.segmentCopies(pairs, func(host unsafe.Pointer, dev C.uint64_t) error {
+		h := C.uint64_t(uintptr(host))
+		if store {
+			dsts[i], srcs[i] = h, dev
+		} else {
+			dsts[i], srcs[i] = dev, h
+		}
+		sizes[i] = C.size_t(b.spec.Layout.SegmentBytes)
+		i++
+		return nil
+	})
+	return timeMedian(reps, func() error {
+		status := C.kv_memcpy_batch(b.ctx, dir, &dsts[0], &srcs[0], &sizes[0], C.size_t(n))
+		if status == C.KV_ERR_DLSYM {
+			return fmt.Errorf("%w: the driver has no cuMemcpyBatchAsync", ErrUnavailable)
+		}
+		if err := cudaErr("cuMemcpyBatchAsync", status); err != nil {
+			return err
+		}
+		return b.sync(store)
 	})
 }

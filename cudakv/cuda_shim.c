@@ -19,9 +19,21 @@ typedef void *CUstream;
 typedef void *CUevent;
 typedef uint64_t CUdeviceptr;
 
+// cuMemcpyBatchAsync's attributes (CUDA 12.8+).
+typedef struct {
+	int type;  // CUmemLocationType: 1 device, 2 host
+	int id;
+} CUmemLocation;
+typedef struct {
+	int srcAccessOrder;  // CUmemcpySrcAccessOrder: 1 stream order
+	CUmemLocation srcLocHint, dstLocHint;
+	unsigned flags;
+} CUmemcpyAttributes;
+
 #define CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT 16
 #define CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY 19
 #define CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING 41
+#define CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM 91
 #define CU_MEMHOST_PORTABLE_DEVICEMAP 0x03
 #define CU_STREAM_NON_BLOCKING 0x1
 #define CU_EVENT_DISABLE_TIMING 0x2
@@ -60,6 +72,12 @@ static struct {
 	CUresult (*EventElapsedTime)(float *, CUevent, CUevent);
 	CUresult (*LaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
 	                         CUstream, void **, void **);
+	// The batched copy is optional (drivers of CUDA 12.8 and later), in
+	// two ABIs: CUDA 13 dropped the failIdx argument and named that one _v2.
+	CUresult (*MemcpyBatchAsync)(CUdeviceptr *, CUdeviceptr *, size_t *, size_t, CUmemcpyAttributes *, size_t *,
+	                             size_t, size_t *, CUstream);
+	CUresult (*MemcpyBatchAsync_v2)(CUdeviceptr *, CUdeviceptr *, size_t *, size_t, CUmemcpyAttributes *, size_t *,
+	                                size_t, CUstream);
 	CUresult (*GetErrorName)(CUresult, const char **);
 	CUresult (*GetErrorString)(CUresult, const char **);
 } cu;
@@ -136,6 +154,8 @@ static void do_init(void) {
 	LOAD(EventSynchronize, "cuEventSynchronize");
 	LOAD(EventElapsedTime, "cuEventElapsedTime");
 	LOAD(LaunchKernel, "cuLaunchKernel");
+	*(void **)&cu.MemcpyBatchAsync_v2 = dlsym(lib, "cuMemcpyBatchAsync_v2");
+	if (!cu.MemcpyBatchAsync_v2) *(void **)&cu.MemcpyBatchAsync = dlsym(lib, "cuMemcpyBatchAsync");
 	LOAD(GetErrorName, "cuGetErrorName");
 	LOAD(GetErrorString, "cuGetErrorString");
 	init_status = cu.Init(0);
@@ -155,7 +175,10 @@ void kv_error(int status, const char **name, const char **msg) {
 	switch (status) {
 	case KV_ERR_DLOPEN: *name = "dlopen"; *msg = "libcuda.so.1 could not be opened"; return;
 	case KV_ERR_DLSYM: *name = "dlsym"; *msg = "a driver function is missing"; return;
-	case KV_ERR_NOUVA: *name = "unsupported"; *msg = "the device lacks unified addressing or mapped host memory"; return;
+	case KV_ERR_NOUVA:
+		*name = "unsupported";
+		*msg = "the device cannot use registered host addresses (unified addressing, mapped host memory)";
+		return;
 	}
 	if (cu.GetErrorName) cu.GetErrorName(status, name);
 	if (cu.GetErrorString) cu.GetErrorString(status, msg);
@@ -174,10 +197,13 @@ int kv_open(int device, const void *fatbin, kv_ctx **out) {
 	if (!c) return 2;  // CUDA_ERROR_OUT_OF_MEMORY
 	CUresult r = cu.DeviceGet(&c->dev, device);
 	if (r == 0) r = cu.DeviceGetName(c->name, sizeof c->name - 1, c->dev);
-	int uva = 0, map = 0;
+	// The kernels use registered host addresses as device addresses.
+	int uva = 0, map = 0, hostptr = 0;
 	if (r == 0) r = cu.DeviceGetAttribute(&uva, CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING, c->dev);
 	if (r == 0) r = cu.DeviceGetAttribute(&map, CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY, c->dev);
-	if (r == 0 && (!uva || !map)) r = KV_ERR_NOUVA;
+	if (r == 0)
+		r = cu.DeviceGetAttribute(&hostptr, CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM, c->dev);
+	if (r == 0 && (!uva || !map || !hostptr)) r = KV_ERR_NOUVA;
 	if (r == 0) r = cu.DeviceGetAttribute(&c->sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, c->dev);
 	if (r != 0) {
 		free(c);
@@ -321,4 +347,15 @@ int kv_memcpy_async(kv_ctx *c, int to_host, void *host, uint64_t dev, size_t n) 
 	CHECK(cur(c));
 	CUstream s = c->stream[to_host ? 1 : 0];
 	return to_host ? cu.MemcpyDtoHAsync(host, dev, n, s) : cu.MemcpyHtoDAsync(dev, host, n, s);
+}
+
+int kv_memcpy_batch(kv_ctx *c, int to_host, uint64_t *dsts, uint64_t *srcs, size_t *sizes, size_t count) {
+	if (!cu.MemcpyBatchAsync && !cu.MemcpyBatchAsync_v2) return KV_ERR_DLSYM;
+	CHECK(cur(c));
+	CUstream s = c->stream[to_host ? 1 : 0];
+	CUmemLocation gpu = {1, (int)c->dev}, host = {2, 0};
+	CUmemcpyAttributes attr = {1, to_host ? gpu : host, to_host ? host : gpu, 0};
+	size_t idx = 0, fail = 0;
+	if (cu.MemcpyBatchAsync_v2) return cu.MemcpyBatchAsync_v2(dsts, srcs, sizes, count, &attr, &idx, 1, s);
+	return cu.MemcpyBatchAsync(dsts, srcs, sizes, count, &attr, &idx, 1, &fail, s);
 }

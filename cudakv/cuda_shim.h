@@ -56,4 +56,8 @@ int kv_copy(kv_ctx *c, int to_host, uint64_t bases, const void *host_pairs, uint
 // (benchmark baselines).
 int kv_memcpy_async(kv_ctx *c, int to_host, void *host, uint64_t dev, size_t n);
 
+// kv_memcpy_batch is the driver's batched copy (cuMemcpyBatchAsync) of count
+// copies on a direction's stream; KV_ERR_DLSYM when the driver lacks it.
+int kv_memcpy_batch(kv_ctx *c, int to_host, uint64_t *dsts, uint64_t *srcs, size_t *sizes, size_t count);
+
 #endif
