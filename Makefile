@@ -5,7 +5,7 @@ PKGS    := github.com/kvtier/kvtier/...
 OFFLINE := GOFLAGS=-mod=vendor GOPROXY=off
 GO      ?= go
 
-.PHONY: all build test fmt-check vet race nocgo vendor vendor-check bench kvbench demo clean generate check-cuda gpu-bundle fuzz test-nixl
+.PHONY: all build test fmt-check vet race nocgo vendor vendor-check bench kvbench demo clean generate check-cuda gpu-bundle fuzz test-nixl build-nixl kvbench-nixl nixl-check
 
 # The CUDA kernels: compiled by nvcc into a committed fatbin (sm_80, sm_90
 # and compute_80 PTX) that cudakv embeds; copy.cu.sha256 records the source
@@ -42,11 +42,31 @@ race:
 nocgo:
 	CGO_ENABLED=0 $(OFFLINE) $(GO) build $(PKGS)
 
-## test-nixl: vet and test nixlgo with the nixl tag against NIXL_PREFIX (over UCX tcp on lo unless UCX_TLS/UCX_NET_DEVICES say otherwise)
-test-nixl:
+# The packages whose tests change with the nixl tag: the binding, the NIXL
+# data plane, and the P2P end-to-end tests (in-process and real daemons),
+# which run over NIXL in a nixl build.
+NIXL_PKGS := github.com/kvtier/kvtier/nixlgo/... github.com/kvtier/kvtier/p2pd/p2p github.com/kvtier/kvtier/testing/p2ptest github.com/kvtier/kvtier/testing/e2e
+
+nixl-check:
 	@test -f $(NIXL_PREFIX)/include/nixl.h || { echo "no NIXL at NIXL_PREFIX=$(NIXL_PREFIX) (want include/nixl.h): see docs/nixl.md"; exit 1; }
-	$(OFFLINE) $(NIXL_ENV) $(GO) vet -tags nixl github.com/kvtier/kvtier/nixlgo/...
-	$(OFFLINE) $(NIXL_ENV) $(GO) test -race -count=1 -tags nixl github.com/kvtier/kvtier/nixlgo/...
+
+## build-nixl: binaries into bin/ built with the nixl tag against NIXL_PREFIX (p2pd -data-plane nixl)
+build-nixl: nixl-check
+	@mkdir -p bin
+	$(OFFLINE) $(NIXL_ENV) $(GO) build -tags nixl -o bin/ $(PKGS)
+
+## test-nixl: vet with the nixl tag, then run the NIXL tests verbosely against NIXL_PREFIX (over UCX tcp on lo unless UCX_TLS/UCX_NET_DEVICES say otherwise); fails if any test skips
+test-nixl: nixl-check
+	$(OFFLINE) $(NIXL_ENV) $(GO) vet -tags nixl $(PKGS)
+	@mkdir -p bin
+	@$(OFFLINE) $(NIXL_ENV) $(GO) test -race -count=1 -v -tags nixl $(NIXL_PKGS) >bin/test-nixl.log 2>&1; rc=$$?; \
+	grep -E -- '^(--- |ok|FAIL)|_test.go:' bin/test-nixl.log; \
+	if grep -q -- '--- SKIP' bin/test-nixl.log; then echo "test-nixl: tests skipped although NIXL is present (bin/test-nixl.log)"; exit 1; fi; \
+	[ $$rc = 0 ] || echo "test-nixl: FAIL (whole log: bin/test-nixl.log)"; exit $$rc
+
+## kvbench-nixl: kvbench's B1 over the NIXL and TCP data planes beside plain TCP, with binaries built against NIXL_PREFIX
+kvbench-nixl: build-nixl
+	$(OFFLINE) $(NIXL_ENV) $(GO) run github.com/kvtier/kvtier/testing/cmd/kvbench -bin bin -data-planes tcp,nixl -json kvbench-nixl.json
 
 ## vendor: regenerate vendor/ (needs the module proxy)
 vendor:

@@ -180,9 +180,9 @@ func (a *Agent) InvalidateRemote(name string) error {
 	return lastErr("invalidate remote metadata", C.nx_invalidate(a.a, cname))
 }
 
-// Prep prepares n blocks of block bytes from base: on this agent (remote
-// "") or on a loaded remote agent.
-func (a *Agent) Prep(remote string, base uintptr, block, n int) (*Dlist, error) {
+// Prep prepares n blocks of size bytes, the i-th at base + i×stride: on
+// this agent (remote "") or on a loaded remote agent.
+func (a *Agent) Prep(remote string, base uintptr, stride, size, n int) (*Dlist, error) {
 	if err := a.lock("prepare descriptor list"); err != nil {
 		return nil, err
 	}
@@ -193,7 +193,7 @@ func (a *Agent) Prep(remote string, base uintptr, block, n int) (*Dlist, error) 
 		defer C.free(unsafe.Pointer(cname))
 	}
 	var h unsafe.Pointer
-	if s := C.nx_prep(a.a, cname, C.uintptr_t(base), C.size_t(block), C.int(n), &h); s != 0 {
+	if s := C.nx_prep(a.a, cname, C.uintptr_t(base), C.size_t(stride), C.size_t(size), C.int(n), &h); s != 0 {
 		return nil, lastErr("prepare descriptor list", s)
 	}
 	return &Dlist{agent: a, h: h}, nil

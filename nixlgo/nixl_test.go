@@ -53,12 +53,12 @@ func base(b []byte) uintptr { return uintptr(unsafe.Pointer(&b[0])) }
 // xfer runs one transfer from a to completion, driving b's progress.
 func xfer(t *testing.T, a, b *Agent, op Op, ma, mb []byte, block, n int, lidx, ridx []int32, notif []byte) {
 	t.Helper()
-	local, err := a.Prep("", base(ma), block, n)
+	local, err := a.Prep("", base(ma), block, block, n)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer local.Release()
-	remote, err := a.Prep("kvtier-b", base(mb), block, n)
+	remote, err := a.Prep("kvtier-b", base(mb), block, block, n)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -98,10 +98,10 @@ int nx_invalidate(nx_agent *a, const char *name) {
 	GUARD({ return a->agent->invalidateRemoteMD(name); })
 }
 
-int nx_prep(nx_agent *a, const char *name, uintptr_t base, size_t block, int n, void **dlist) {
+int nx_prep(nx_agent *a, const char *name, uintptr_t base, size_t stride, size_t size, int n, void **dlist) {
 	GUARD({
 		nixl_xfer_dlist_t d(DRAM_SEG);
-		for (int i = 0; i < n; i++) d.addDesc(nixlBasicDesc(base + (uintptr_t)i * block, block, 0));
+		for (int i = 0; i < n; i++) d.addDesc(nixlBasicDesc(base + (uintptr_t)i * stride, size, 0));
 		nixlDlistH *h = nullptr;
 		nixl_status_t s = a->agent->prepXferDlist(name ? std::string(name) : std::string(NIXL_INIT_AGENT), d, h);
 		*dlist = h;

@@ -27,9 +27,9 @@ int nx_local_md(nx_agent *a, char **md, size_t *len);
 // nx_load_md returns the remote agent's name, malloc'ed.
 int nx_load_md(nx_agent *a, const char *md, size_t len, char **name);
 int nx_invalidate(nx_agent *a, const char *name);
-// nx_prep prepares n descriptors base + i*block (DRAM) on the local side
-// (name NULL) or on a loaded remote agent's side.
-int nx_prep(nx_agent *a, const char *name, uintptr_t base, size_t block, int n, void **dlist);
+// nx_prep prepares n descriptors of size bytes at base + i*stride (DRAM)
+// on the local side (name NULL) or on a loaded remote agent's side.
+int nx_prep(nx_agent *a, const char *name, uintptr_t base, size_t stride, size_t size, int n, void **dlist);
 int nx_release_dlist(nx_agent *a, void *dlist);
 int nx_make_xfer(nx_agent *a, int op, void *local, const int *lidx, void *remote, const int *ridx, int n,
                  const char *notif, size_t notif_len, void **req);

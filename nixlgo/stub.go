@@ -20,15 +20,15 @@ type Notif struct {
 // NewAgent returns ErrNotBuilt: this binary was built without NIXL.
 func NewAgent(string, AgentConfig) (*Agent, error) { return nil, ErrNotBuilt }
 
-func (*Agent) Close() error                                   { return nil }
-func (*Agent) CreateUCX(map[string]string) error              { return ErrNotBuilt }
-func (*Agent) Register(uintptr, int) error                    { return ErrNotBuilt }
-func (*Agent) Deregister(uintptr, int) error                  { return ErrNotBuilt }
-func (*Agent) LocalMetadata() ([]byte, error)                 { return nil, ErrNotBuilt }
-func (*Agent) LoadRemote([]byte) (string, error)              { return "", ErrNotBuilt }
-func (*Agent) InvalidateRemote(string) error                  { return ErrNotBuilt }
-func (*Agent) Prep(string, uintptr, int, int) (*Dlist, error) { return nil, ErrNotBuilt }
-func (*Dlist) Release() error                                 { return ErrNotBuilt }
+func (*Agent) Close() error                                        { return nil }
+func (*Agent) CreateUCX(map[string]string) error                   { return ErrNotBuilt }
+func (*Agent) Register(uintptr, int) error                         { return ErrNotBuilt }
+func (*Agent) Deregister(uintptr, int) error                       { return ErrNotBuilt }
+func (*Agent) LocalMetadata() ([]byte, error)                      { return nil, ErrNotBuilt }
+func (*Agent) LoadRemote([]byte) (string, error)                   { return "", ErrNotBuilt }
+func (*Agent) InvalidateRemote(string) error                       { return ErrNotBuilt }
+func (*Agent) Prep(string, uintptr, int, int, int) (*Dlist, error) { return nil, ErrNotBuilt }
+func (*Dlist) Release() error                                      { return ErrNotBuilt }
 func (*Agent) MakeXfer(Op, *Dlist, []int32, *Dlist, []int32, []byte) (*Req, error) {
 	return nil, ErrNotBuilt
 }

@@ -43,6 +43,11 @@ type Config struct {
 	HandshakeTimeout  offload.Duration `json:"handshake_timeout"`
 	// DataConns is the number of data connections per peer (TCP).
 	DataConns int `json:"data_conns"`
+	// DataPlane moves the blocks: "tcp" (the default) or "nixl" (a binary
+	// built with the nixl tag; every peer must use the same).
+	DataPlane string `json:"data_plane"`
+	// NIXLParams are the NIXL UCX backend's parameters (data_plane nixl).
+	NIXLParams map[string]string `json:"nixl_params"`
 }
 
 // DefaultConfig returns the defaults of SEMANTICS.md §9.
@@ -57,6 +62,7 @@ func DefaultConfig() Config {
 		KeepaliveTimeout:  offload.Duration(10 * time.Second),
 		HandshakeTimeout:  offload.Duration(5 * time.Second),
 		DataConns:         4,
+		DataPlane:         "tcp",
 	}
 }
 
@@ -85,6 +91,8 @@ func (c *Config) Validate() error {
 		return fmt.Errorf("%w: node_id: longer than 256 bytes", ErrConfig)
 	case c.Listen == "":
 		return fmt.Errorf("%w: p2p_listen: empty", ErrConfig)
+	case c.DataPlane != "" && c.DataPlane != "tcp" && c.DataPlane != "nixl":
+		return fmt.Errorf("%w: data_plane: %q (want tcp or nixl)", ErrConfig, c.DataPlane)
 	}
 	return nil
 }

@@ -60,6 +60,13 @@ var (
 
 var castagnoli = crc32.MakeTable(crc32.Castagnoli)
 
+// dataStats are a data plane's counters, exported as metrics.
+type dataStats struct {
+	crcErrors, strays, bytesOut, bytesIn atomic.Uint64
+}
+
+func (s *dataStats) counters() *dataStats { return s }
+
 // TCPPlane is the default data plane (S7.1, S7.2): DataConns connections
 // per peer, blocks written straight from slot memory and read straight
 // into the destination slot, each block checked with CRC32C computed
@@ -70,8 +77,7 @@ type TCPPlane struct {
 	conns int
 	self  wire.Hello
 	log   *slog.Logger
-
-	crcErrors, strays, bytesOut, bytesIn atomic.Uint64
+	dataStats
 
 	mu     sync.Mutex
 	closed bool

@@ -104,7 +104,16 @@ func New(cfg Config, node offload.Config, n Network, env offload.TierEnv) (*Tier
 	if t.addr == "" {
 		t.addr = ln.Addr().String()
 	}
-	t.dp = NewTCPPlane(env.Arena, n, cfg.DataConns, t.self, log)
+	switch cfg.DataPlane {
+	case "nixl":
+		t.dp, err = NewNIXLPlane(env.Arena, t.self, NIXLConfig{UCX: cfg.NIXLParams}, log)
+		if err != nil {
+			ln.Close()
+			return nil, err
+		}
+	default:
+		t.dp = NewTCPPlane(env.Arena, n, cfg.DataConns, t.self, log)
+	}
 	t.wg.Go(t.acceptLoop)
 	for _, a := range cfg.Peers {
 		t.dial(a)
@@ -374,12 +383,13 @@ func (t *Tier) Stats() []offload.Stat {
 		{Name: "kv_offload_p2p_quarantines_total", Type: "counter", Help: "Loads whose abort was not acknowledged in time; their slots stayed quarantined until the data plane proved the writer stopped.", Value: float64(t.st.quarantines)},
 		{Name: "kv_offload_p2p_pin_expiries_total", Type: "counter", Help: "Pins for peers released after pin_hold unclaimed.", Value: float64(t.st.pinExpiries)},
 	}
-	if tp, ok := t.dp.(*TCPPlane); ok {
+	if dp, ok := t.dp.(interface{ counters() *dataStats }); ok {
+		tp := dp.counters()
 		st = append(st,
 			offload.Stat{Name: "kv_offload_p2p_data_bytes_sent_total", Type: "counter", Help: "Block bytes written to peers.", Value: float64(tp.bytesOut.Load())},
 			offload.Stat{Name: "kv_offload_p2p_data_bytes_received_total", Type: "counter", Help: "Block bytes read from peers.", Value: float64(tp.bytesIn.Load())},
 			offload.Stat{Name: "kv_offload_p2p_crc_errors_total", Type: "counter", Help: "Blocks whose CRC32C did not match (S7.2).", Value: float64(tp.crcErrors.Load())},
-			offload.Stat{Name: "kv_offload_p2p_unexpected_blocks_total", Type: "counter", Help: "Data connections dropped for a block nobody expected.", Value: float64(tp.strays.Load())})
+			offload.Stat{Name: "kv_offload_p2p_unexpected_blocks_total", Type: "counter", Help: "Blocks (TCP: data connections dropped for one; NIXL: round notifications) nobody expected.", Value: float64(tp.strays.Load())})
 	}
 	return st
 }

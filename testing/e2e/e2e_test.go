@@ -32,8 +32,9 @@ func TestMain(m *testing.M) {
 		panic(err)
 	}
 	goTool := filepath.Join(runtime.GOROOT(), "bin", "go")
-	out, err := exec.Command(goTool, "build", "-o", dir+"/", "github.com/kvtier/kvtier/p2pd/cmd/p2pd",
-		"github.com/kvtier/kvtier/ctl/cmd/kvctl").CombinedOutput()
+	build := append(append([]string{"build"}, buildTags...), "-o", dir+"/", "github.com/kvtier/kvtier/p2pd/cmd/p2pd",
+		"github.com/kvtier/kvtier/ctl/cmd/kvctl")
+	out, err := exec.Command(goTool, build...).CombinedOutput()
 	if err != nil {
 		fmt.Fprintf(os.Stderr, "building p2pd and kvctl: %v\n%s", err, out)
 		os.RemoveAll(dir)
@@ -64,7 +65,7 @@ func start(t *testing.T, args ...string) *node {
 	dir := t.TempDir()
 	n := &node{t: t, admin: filepath.Join(dir, "p2pd.sock"), exited: make(chan error, 1)}
 	args = append([]string{"-model", "tiny", "-cpu-slots", "256", "-gpu-blocks", "128", "-admin", n.admin,
-		"-p2p-listen", "127.0.0.1:0"}, args...)
+		"-p2p-listen", "127.0.0.1:0"}, append(planeArgs, args...)...)
 	n.cmd = exec.Command(filepath.Join(bin, "p2pd"), args...)
 	stderr, err := n.cmd.StderrPipe()
 	if err != nil {
@@ -395,7 +396,7 @@ func TestSigtermDuringFetch(t *testing.T) {
 		t.Fatal("the producer did not exit")
 	}
 	if msg := <-done; msg != "" {
-		t.Errorf("consumer request: %s", msg)
+		t.Errorf("consumer request: %s\n%s", msg, cons.logs())
 	}
 }
 

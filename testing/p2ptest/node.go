@@ -28,6 +28,7 @@ func NewNode(t testing.TB, g offload.Geometry, slots int, n p2p.Network, edit fu
 	t.Helper()
 	pc := p2p.DefaultConfig()
 	pc.Listen = "127.0.0.1:0"
+	pc.DataPlane = DataPlane
 	if edit != nil {
 		edit(&pc)
 	}

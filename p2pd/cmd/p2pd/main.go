@@ -93,6 +93,7 @@ func parse(args []string) (node.Config, error) {
 		hashSeed   = fs.String("hash-seed", offload.DefaultHashSeed, "block key hash seed")
 		tokenFile  = fs.String("cluster-token-file", "", "file holding the cluster token")
 		peers      = fs.String("peers", "", "comma-separated peers dialled at start")
+		dataPlane  = fs.String("data-plane", "tcp", "P2P data plane: tcp, or nixl in a binary built with -tags nixl")
 		grace      = fs.Duration("shutdown-grace", 30*time.Second, "grace for running requests on shutdown")
 		copies     = fs.String("copy-backend", "auto", "GPU copies: auto, cuda or host")
 		logFormat  = fs.String("log-format", "text", "text or json")
@@ -157,6 +158,7 @@ func parse(args []string) (node.Config, error) {
 	apply("cluster-token-file", func() { cfg.ClusterTokenFile = *tokenFile })
 	apply("shutdown-grace", func() { cfg.ShutdownGrace = offload.Duration(*grace) })
 	apply("copy-backend", func() { cfg.CopyBackend = *copies })
+	apply("data-plane", func() { cfg.DataPlane = *dataPlane })
 	apply("log-format", func() { cfg.LogFormat = *logFormat })
 	apply("log-level", func() { cfg.LogLevel = *logLevel })
 	if set["peers"] || (*configFile == "" && *peers != "") {

@@ -1,12 +1,15 @@
 // Command kvbench runs the daemon benchmarks side by side with their
 // baselines (BENCHMARKS.md): B1 (a consumer p2pd fetching from a producer
-// p2pd, beside plain TCP between two processes), B2 (pause latency, idle
+// p2pd over each data plane asked for, beside plain TCP between two
+// processes), B2 (pause latency, idle
 // and under fetch load), B3 (idle context switches), B4 (SIGTERM → exit,
 // idle and with a fetch in flight) and M1 (memory beyond the caches). It
 // prints one table — project, baseline, ratio, target, verdict — and
 // writes the same as JSON.
 //
-//	kvbench [-bin bin] [-blocks 576] [-json kvbench.json]
+//	kvbench [-bin bin] [-blocks 576] [-data-planes tcp,nixl] [-json kvbench.json]
+//
+// B2–B4 and M1 run on the first data plane's daemons.
 package main
 
 import (
@@ -49,9 +52,10 @@ func main() {
 	bin := flag.String("bin", "bin", "directory with p2pd (make build)")
 	blocks := flag.Int("blocks", 576, "blocks in the prompt")
 	rounds := flag.Int("rounds", 3, "timed rounds of B1")
+	planes := flag.String("data-planes", "tcp", "P2P data planes to measure B1 over (nixl needs p2pd built with make build-nixl)")
 	out := flag.String("json", "kvbench.json", "where to write the table as JSON")
 	flag.Parse()
-	rows, err := run(*bin, *blocks, *rounds)
+	rows, err := run(*bin, strings.Split(*planes, ","), *blocks, *rounds)
 	print(rows)
 	if b, jerr := json.MarshalIndent(rows, "", "  "); jerr == nil {
 		os.WriteFile(*out, b, 0o644)
@@ -84,7 +88,82 @@ func median(v []float64) float64 {
 	return s[len(s)/2]
 }
 
-func run(bin string, blocks, rounds int) ([]Row, error) {
+// pair is a producer and a consumer p2pd; fetch makes the consumer fetch
+// the producer's prompt after resetting its cache.
+type pair struct {
+	prod, cons *daemon.Proc
+	want       ctl.Result
+	blocks     int
+	round      int
+}
+
+func startPair(dir, bin, plane string, blocks int) (*pair, error) {
+	slots := blocks + 64
+	// A whole 1 GiB prompt is promoted as one batch; on a slow machine that
+	// can take longer than the default 5 s HitPending bound, which would
+	// (correctly) make the consumer recompute instead of fetching.
+	args := []string{"-hit-pending-timeout", "60s", "-data-plane", plane}
+	prod, err := daemon.Start(dir, bin, "producer-"+plane, slots, args...)
+	if err != nil {
+		return nil, err
+	}
+	cons, err := daemon.Start(dir, bin, "consumer-"+plane, slots, args...)
+	if err != nil {
+		prod.Kill()
+		return nil, err
+	}
+	p := &pair{prod: prod, cons: cons, blocks: blocks}
+	if p.want, err = prod.Submit(daemon.Prompt(42, blocks, "", "")); err == nil {
+		_, err = p.fetch() // warm-up
+	}
+	if err != nil {
+		p.kill()
+		return nil, err
+	}
+	return p, nil
+}
+
+func (p *pair) kill() {
+	p.prod.Kill()
+	p.cons.Kill()
+}
+
+func (p *pair) fetch() (ctl.Result, error) {
+	if err := p.cons.C.Do(context.Background(), "POST", "/v0/reset-cache", nil, nil, nil); err != nil {
+		return ctl.Result{}, err
+	}
+	p.round++
+	r, err := p.cons.Submit(daemon.Prompt(42, p.blocks, fmt.Sprintf("bench-%d", p.round), p.prod.P2P))
+	if err == nil && (r.Sources.Peer != p.blocks || r.KVDigest != p.want.KVDigest) {
+		err = fmt.Errorf("fetch %d: %d of %d blocks from the peer (%+v), digest equal %v", p.round, r.Sources.Peer, p.blocks, r.Sources, r.KVDigest == p.want.KVDigest)
+	}
+	return r, err
+}
+
+// rates runs rounds timed fetches and returns the median GB/s of the P2P
+// tier's own transfer time (promotion job submitted → result: fetch, data
+// plane, checksums), from the consumer's metrics, and of the whole
+// request (lookups, fetch and the CPU → GPU load).
+func (p *pair) rates(rounds int) (project, whole float64, err error) {
+	total := float64(p.blocks * daemon.BlockBytes)
+	var ps, ws []float64
+	for range rounds {
+		s0, err := p2pReadSeconds(p.cons)
+		if err != nil {
+			return 0, 0, err
+		}
+		r, err := p.fetch()
+		if err != nil {
+			return 0, 0, err
+		}
+		s1, _ := p2pReadSeconds(p.cons)
+		ps = append(ps, total/(s1-s0)/1e9)
+		ws = append(ws, total/(r.ElapsedMS/1000)/1e9)
+	}
+	return median(ps), median(ws), nil
+}
+
+func run(bin string, planes []string, blocks, rounds int) ([]Row, error) {
 	var rows []Row
 	dir, err := os.MkdirTemp("", "kvbench-")
 	if err != nil {
@@ -92,70 +171,48 @@ func run(bin string, blocks, rounds int) ([]Row, error) {
 	}
 	defer os.RemoveAll(dir)
 	slots := blocks + 64
-	// A whole 1 GiB prompt is promoted as one batch; on a slow machine that
-	// can take longer than the default 5 s HitPending bound, which would
-	// (correctly) make the consumer recompute instead of fetching.
-	prod, err := daemon.Start(dir, bin, "producer", slots, "-hit-pending-timeout", "60s")
-	if err != nil {
-		return nil, err
-	}
-	defer prod.Kill()
-	cons, err := daemon.Start(dir, bin, "consumer", slots, "-hit-pending-timeout", "60s")
-	if err != nil {
-		return nil, err
-	}
-	defer cons.Kill()
 	total := float64(blocks * daemon.BlockBytes)
-	want, err := prod.Submit(daemon.Prompt(42, blocks, "", ""))
-	if err != nil {
-		return nil, err
-	}
 	ctx := context.Background()
-	round := 0
-	fetch := func() (ctl.Result, error) {
-		if err := cons.C.Do(ctx, "POST", "/v0/reset-cache", nil, nil, nil); err != nil {
-			return ctl.Result{}, err
-		}
-		round++
-		r, err := cons.Submit(daemon.Prompt(42, blocks, fmt.Sprintf("bench-%d", round), prod.P2P))
-		if err == nil && (r.Sources.Peer != blocks || r.KVDigest != want.KVDigest) {
-			err = fmt.Errorf("fetch %d: %d of %d blocks from the peer (%+v), digest equal %v", round, r.Sources.Peer, blocks, r.Sources, r.KVDigest == want.KVDigest)
-		}
-		return r, err
-	}
-	if _, err := fetch(); err != nil { // warm-up
-		return nil, err
-	}
 
-	// B1.
-	// The P2P tier's own transfer time (promotion job submitted → result:
-	// fetch, data plane, CRC) from the consumer's metrics, and the whole
-	// request (lookups, fetch and the CPU → GPU load).
-	var project, whole, base []float64
-	for range rounds {
-		s0, err := p2pReadSeconds(cons)
+	// B1, over each data plane; the first plane's pair stays for the rest.
+	type rate struct {
+		plane          string
+		project, whole float64
+	}
+	var rs []rate
+	var first *pair
+	for i, plane := range planes {
+		p, err := startPair(dir, bin, plane, blocks)
 		if err != nil {
-			return rows, err
+			return rows, fmt.Errorf("data plane %s: %w", plane, err)
 		}
-		r, err := fetch()
+		pr, wr, err := p.rates(rounds)
+		if i == 0 {
+			first = p
+			defer p.kill()
+		} else {
+			p.kill()
+		}
 		if err != nil {
-			return rows, err
+			return rows, fmt.Errorf("data plane %s: %w", plane, err)
 		}
-		s1, _ := p2pReadSeconds(cons)
-		project = append(project, total/(s1-s0)/1e9)
-		whole = append(whole, total/(r.ElapsedMS/1000)/1e9)
+		rs = append(rs, rate{plane, pr, wr})
 	}
 	ds, err := plainTCP(int(total), 4, rounds)
 	if err != nil {
 		return rows, err
 	}
+	var base []float64
 	for _, d := range ds {
 		base = append(base, total/d.Seconds()/1e9)
 	}
-	p, w, b := median(project), median(whole), median(base)
-	rows = append(rows, Row{"B1", fmt.Sprintf("P2P fetch, %d blocks, two processes (median of %d)", blocks, rounds),
-		fmt.Sprintf("%.2f GB/s", p), fmt.Sprintf("%.2f GB/s plain TCP", b), fmt.Sprintf("%.2f", p/b), "≥ 0.9", verdict(p/b >= 0.9)})
-	rows = append(rows, Row{"B1", "  the whole request (lookups, fetch, CPU → GPU load)", fmt.Sprintf("%.2f GB/s", w), "", fmt.Sprintf("%.2f", w/b), "", ""})
+	b := median(base)
+	for _, r := range rs {
+		rows = append(rows, Row{"B1", fmt.Sprintf("P2P fetch over %s, %d blocks, two processes (median of %d)", r.plane, blocks, rounds),
+			fmt.Sprintf("%.2f GB/s", r.project), fmt.Sprintf("%.2f GB/s plain TCP", b), fmt.Sprintf("%.2f", r.project/b), "≥ 0.9", verdict(r.project/b >= 0.9)})
+		rows = append(rows, Row{"B1", "  the whole request (lookups, fetch, CPU → GPU load)", fmt.Sprintf("%.2f GB/s", r.whole), "", fmt.Sprintf("%.2f", r.whole/b), "", ""})
+	}
+	prod, cons, fetch := first.prod, first.cons, first.fetch
 
 	// B3 and M1, idle.
 	c0, err := prod.CtxSwitches()

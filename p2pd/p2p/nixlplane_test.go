@@ -1,0 +1,163 @@
+//go:build nixl
+
+package p2p
+
+import (
+	"bytes"
+	"errors"
+	"log/slog"
+	"testing"
+	"time"
+
+	"github.com/kvtier/kvtier/offload"
+	"github.com/kvtier/kvtier/p2pd/wire"
+)
+
+// nixlPair makes two NIXL planes over arenas of slots slots (slot bytes
+// not a page multiple, so stride and size differ), each knowing the other.
+func nixlPair(t *testing.T, slots, slotBytes int) (a, b *NIXLPlane) {
+	t.Helper()
+	mk := func(id string) *NIXLPlane {
+		ar, err := offload.NewArena(slots, slotBytes, offload.ArenaOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { ar.Close() })
+		self := wire.Hello{NodeID: id}
+		copy(self.Incarnation[:], id)
+		p, err := NewNIXLPlane(ar, self, NIXLConfig{Drain: 200 * time.Millisecond}, slog.New(slog.DiscardHandler))
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() {
+			if err := p.Close(); err != nil {
+				t.Errorf("Close: %v", err)
+			}
+		})
+		return p
+	}
+	a, b = mk("node-a"), mk("node-b")
+	if err := a.AddPeer("node-b", "", b.LocalInfo()); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.AddPeer("node-a", "", a.LocalInfo()); err != nil {
+		t.Fatal(err)
+	}
+	return a, b
+}
+
+// wait returns what a done callback sent, or fails after 10 s.
+func wait[T any](t *testing.T, c <-chan T, what string) T {
+	t.Helper()
+	select {
+	case v := <-c:
+		return v
+	case <-time.After(10 * time.Second):
+		t.Fatalf("%s: no answer in 10s", what)
+		panic("unreachable")
+	}
+}
+
+func TestNIXLPlaneRound(t *testing.T) {
+	const slots, slotBytes = 8, 5000
+	a, b := nixlPair(t, slots, slotBytes)
+	for i := range slots {
+		s := a.arena.Slot(i)
+		for j := range s {
+			s[j] = byte(i*31 + j)
+		}
+	}
+	pairs := []SlotPair{{Local: 1, Remote: 6}, {Local: 4, Remote: 0}, {Local: 7, Remote: 3}}
+	expected, written := make(chan error, 1), make(chan error, 1)
+	b.Expect("node-a", 9, []uint32{6, 0, 3}, func(err error) { expected <- err })
+	a.Write("node-b", 9, pairs, func(err error) { written <- err })
+	if err := wait(t, written, "write"); err != nil {
+		t.Fatalf("write: %v", err)
+	}
+	if err := wait(t, expected, "expect"); err != nil {
+		t.Fatalf("expect: %v", err)
+	}
+	for _, p := range pairs {
+		if !bytes.Equal(b.arena.Slot(int(p.Remote)), a.arena.Slot(int(p.Local))) {
+			t.Errorf("slot %d of b differs from slot %d of a", p.Remote, p.Local)
+		}
+	}
+	for _, untouched := range []int{1, 2, 4, 5, 7} {
+		if s := b.arena.Slot(untouched); s[0] != 0 || s[len(s)-1] != 0 {
+			t.Errorf("slot %d of b was written", untouched)
+		}
+	}
+	if got := b.bytesIn.Load(); got != 3*slotBytes {
+		t.Errorf("bytes in %d, want %d", got, 3*slotBytes)
+	}
+
+	// A round nobody expects is counted and ignored; one whose slots
+	// differ from the expectation fails it. (A target drives NIXL's
+	// progress only while it expects a round, as a consumer does while a
+	// producer writes to it.)
+	b.Expect("node-a", 99, []uint32{5}, func(error) {})
+	a.Write("node-b", 10, pairs[:1], func(err error) { written <- err })
+	if err := wait(t, written, "stray write"); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for b.strays.Load() == 0 && time.Now().Before(deadline) {
+		time.Sleep(time.Millisecond)
+	}
+	b.Unexpect("node-a", 99, func() {})
+	if b.strays.Load() != 1 {
+		t.Fatalf("strays %d, want 1", b.strays.Load())
+	}
+	b.Expect("node-a", 11, []uint32{2}, func(err error) { expected <- err })
+	a.Write("node-b", 11, pairs[:1], func(err error) { written <- err })
+	wait(t, written, "write to other slots")
+	if err := wait(t, expected, "expect other slots"); err == nil {
+		t.Fatal("a round naming other slots was accepted")
+	}
+
+	// Removing the peer fails what is outstanding with ErrNoPeer; writes
+	// to it fail too.
+	b.Expect("node-a", 12, []uint32{1}, func(err error) { expected <- err })
+	removed := make(chan struct{})
+	b.RemovePeer("node-a", func() { close(removed) })
+	if err := wait(t, expected, "expect after RemovePeer"); !errors.Is(err, ErrNoPeer) {
+		t.Fatalf("expectation after RemovePeer: %v, want ErrNoPeer", err)
+	}
+	wait(t, removed, "RemovePeer")
+	b.Write("node-a", 13, pairs[:1], func(err error) { written <- err })
+	if err := wait(t, written, "write to a removed peer"); !errors.Is(err, ErrNoPeer) {
+		t.Fatalf("write to a removed peer: %v, want ErrNoPeer", err)
+	}
+	// And the peer can come back.
+	if err := b.AddPeer("node-a", "", a.LocalInfo()); err != nil {
+		t.Fatalf("re-adding the peer: %v", err)
+	}
+	a.Expect("node-b", 14, []uint32{2}, func(err error) { expected <- err })
+	b.Write("node-a", 14, []SlotPair{{Local: 0, Remote: 2}}, func(err error) { written <- err })
+	if err := wait(t, written, "write after re-adding"); err != nil {
+		t.Fatalf("write after re-adding: %v", err)
+	}
+	if err := wait(t, expected, "expect after re-adding"); err != nil {
+		t.Fatalf("expect after re-adding: %v", err)
+	}
+	if !bytes.Equal(a.arena.Slot(2), b.arena.Slot(0)) {
+		t.Error("slot 2 of a differs from slot 0 of b after re-adding")
+	}
+}
+
+func TestNIXLPlaneBadInfo(t *testing.T) {
+	a, b := nixlPair(t, 4, 4096)
+	if err := a.AddPeer("node-c", "", nil); err == nil {
+		t.Error("a peer without metadata was added")
+	}
+	info := b.LocalInfo()
+	info[16]++ // slot bytes
+	if err := a.AddPeer("node-b", "", info); err == nil {
+		t.Error("a peer with other slot sizes was added")
+	}
+	done := make(chan error, 1)
+	a.Write("node-b", 1, []SlotPair{{Local: 9, Remote: 0}}, func(err error) { done <- err })
+	if err := wait(t, done, "write out of range"); err == nil {
+		t.Error("a write from slot 9 of 4 was accepted")
+	}
+}
