@@ -400,6 +400,48 @@ func TestSigtermDuringFetch(t *testing.T) {
 	}
 }
 
+// S6.8: a consumer killed (SIGKILL) while it fetches from a producer: the
+// producer notices the dead peer, keeps running, and serves the same
+// prompt to a new consumer, whose KV matches.
+func TestConsumerKilledDuringFetch(t *testing.T) {
+	big := []string{"-cpu-slots", "2200", "-gpu-blocks", "2100"}
+	prod, cons := start(t, big...), start(t, big...)
+	want, out, code := prod.submit("--tokens-seed", "12", "--tokens", "32000")
+	if code != 0 {
+		t.Fatalf("producer: %d %s", code, out)
+	}
+	fetch := exec.Command(filepath.Join(bin, "kvctl"), "-admin", cons.admin, "submit", "--tokens-seed", "12", "--tokens", "32000",
+		"--remote-kv-source", prod.p2p, "--kv-request-id", "kv-kill")
+	if err := fetch.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer fetch.Wait() // it fails once its daemon is gone
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		out, _ := cons.kvctl("status", "--json")
+		if strings.Contains(out, `"running": 1`) || time.Now().After(deadline) {
+			break
+		}
+	}
+	cons.cmd.Process.Kill()
+	err := <-cons.exited
+	cons.exited <- err
+	again := start(t, big...)
+	r, out, code := again.submit("--tokens-seed", "12", "--tokens", "32000", "--remote-kv-source", prod.p2p, "--kv-request-id", "kv-again")
+	if code != 0 {
+		t.Fatalf("second consumer: %d %s\nproducer:\n%s", code, out, prod.logs())
+	}
+	if r.KVDigest != want.KVDigest || r.Sources.Peer == 0 {
+		t.Errorf("second consumer: digest equal %v, %d blocks from the peer (%+v); want the same KV, fetched",
+			r.KVDigest == want.KVDigest, r.Sources.Peer, r.Sources)
+	}
+	select {
+	case err := <-prod.exited:
+		t.Fatalf("the producer exited: %v\n%s", err, prod.logs())
+	default:
+	}
+}
+
 // S5.5: a second signal during the shutdown drain exits at once, non-zero.
 func TestSecondSignal(t *testing.T) {
 	n := start(t, fastConfig(t)...)
