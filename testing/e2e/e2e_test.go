@@ -204,14 +204,23 @@ func inFlight(t *testing.T, n *node, hole string) chan string {
 		_, out, code := n.submit("--tokens-seed", "9", "--tokens", "64", "--remote-kv-source", hole, "--kv-request-id", "kv-hole")
 		done <- fmt.Sprintf("%d %s", code, out)
 	}()
+	if out := n.waitRunning(); out != "" {
+		t.Fatalf("request never ran: %s", out)
+	}
+	return done
+}
+
+// waitRunning polls the node's status until it reports one running
+// request; after 10 s it gives up and returns the last status.
+func (n *node) waitRunning() string {
 	deadline := time.Now().Add(10 * time.Second)
 	for {
 		out, _ := n.kvctl("status", "--json")
 		if strings.Contains(out, `"running": 1`) {
-			return done
+			return ""
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("request never ran: %s", out)
+			return out
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
@@ -378,13 +387,7 @@ func TestSigtermDuringFetch(t *testing.T) {
 		}
 		done <- ""
 	}()
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		out, _ := cons.kvctl("status", "--json")
-		if strings.Contains(out, `"running": 1`) || time.Now().After(deadline) {
-			break
-		}
-	}
+	cons.waitRunning() // or not yet: the test holds either way
 	prod.cmd.Process.Signal(syscall.SIGTERM)
 	select {
 	case err := <-prod.exited:
@@ -416,13 +419,7 @@ func TestConsumerKilledDuringFetch(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer fetch.Wait() // it fails once its daemon is gone
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		out, _ := cons.kvctl("status", "--json")
-		if strings.Contains(out, `"running": 1`) || time.Now().After(deadline) {
-			break
-		}
-	}
+	cons.waitRunning() // or not yet: the test holds either way
 	cons.cmd.Process.Kill()
 	err := <-cons.exited
 	cons.exited <- err
