@@ -174,18 +174,17 @@ func (p *NIXLPlane) AddPeer(peer, _ string, info []byte) error {
 }
 
 func (p *NIXLPlane) addPeer(peer string, md []byte, base uintptr, stride, size, slots int) error {
-	if old := p.peers[peer]; old != nil {
-		p.dropPeer(peer, old, nil)
-	}
+	// Agent names carry the node's incarnation: a restarted peer is a
+	// new name, and the same name is the same process.
 	agent, err := p.agent.LoadRemote(md)
-	if errors.Is(err, nixlgo.ErrNotAllowed) {
-		// A name NIXL still knows with other connection details: forget
-		// it first (a restarted peer reuses no name, but be safe).
-		p.agent.InvalidateRemote(agent)
-		agent, err = p.agent.LoadRemote(md)
-	}
 	if err != nil {
 		return fmt.Errorf("p2p: nixl: loading the peer's metadata: %w", err)
+	}
+	if old := p.peers[peer]; old != nil {
+		if old.agent == agent {
+			return nil
+		}
+		p.dropPeer(peer, old, nil) // a restarted peer
 	}
 	remote, err := p.agent.Prep(agent, base, stride, size, slots)
 	if err != nil {
@@ -276,7 +275,12 @@ func (p *NIXLPlane) leave(l *nixlLeaving, force bool) bool {
 		w.req.Release() // cancels it
 	}
 	l.np.remote.Release()
-	p.agent.InvalidateRemote(l.np.agent)
+	p.mu.Lock()
+	_, back := p.byAgent[l.np.agent]
+	p.mu.Unlock()
+	if !back { // not added again meanwhile under the same name
+		p.agent.InvalidateRemote(l.np.agent)
+	}
 	if l.done != nil {
 		l.done()
 	}
