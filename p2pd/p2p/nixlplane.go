@@ -8,6 +8,7 @@ import (
 	"hash/crc32"
 	"log/slog"
 	"net"
+	"os"
 	"slices"
 	"sync"
 	"time"
@@ -99,10 +100,21 @@ type NIXLConfig struct {
 	Drain time.Duration
 }
 
+// ucxDefaults are UCX settings the plane makes unless the environment
+// sets them. UCX's TCP transport emulates puts in segments of 8 KiB by
+// default; 64 KiB segments moved 1 GiB fetches between two daemons 1.5–3×
+// faster (docs/nixl.md).
+var ucxDefaults = map[string]string{"UCX_TCP_TX_SEG_SIZE": "64k", "UCX_TCP_RX_SEG_SIZE": "64k"}
+
 // NewNIXLPlane creates a NIXL agent named after self's node id and
 // incarnation, with a UCX backend, and registers the arena. A binary built
 // without the nixl tag returns nixlgo.ErrNotBuilt.
 func NewNIXLPlane(arena *offload.Arena, self wire.Hello, cfg NIXLConfig, log *slog.Logger) (*NIXLPlane, error) {
+	for k, v := range ucxDefaults {
+		if _, set := os.LookupEnv(k); !set {
+			os.Setenv(k, v)
+		}
+	}
 	name := self.NodeID + "-" + hex.EncodeToString(self.Incarnation[:4])
 	agent, err := nixlgo.NewAgent(name, nixlgo.AgentConfig{})
 	if err != nil {
