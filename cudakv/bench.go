@@ -82,8 +82,8 @@ func benchLayout(cfg BenchConfig, layers, seg int, progress io.Writer) ([]BenchP
 	}
 	var grids []grid
 	for _, ctas := range cfg.CTAs {
-		for _, threads := range threads {
-			grids = append(grids, grid{ctas, threads})
+		for _, t := range threads {
+			grids = append(grids, grid{ctas, t})
 		}
 	}
 	if cfg.Backend == "host" || len(grids) == 0 {
