@@ -40,7 +40,6 @@ import (
 type NIXLPlane struct {
 	arena *offload.Arena
 	agent *nixlgo.Agent
-	name  string
 	local *nixlgo.Dlist
 	log   *slog.Logger
 	poll  time.Duration
@@ -120,7 +119,7 @@ func NewNIXLPlane(arena *offload.Arena, self wire.Hello, cfg NIXLConfig, log *sl
 	if err != nil {
 		return nil, fmt.Errorf("p2p: nixl data plane: %w", err)
 	}
-	p := &NIXLPlane{arena: arena, agent: agent, name: name, log: log, poll: cfg.PollInterval, drain: cfg.Drain,
+	p := &NIXLPlane{arena: arena, agent: agent, log: log, poll: cfg.PollInterval, drain: cfg.Drain,
 		peers: map[string]*nixlPeer{}, byAgent: map[string]string{},
 		writes: map[roundKey]*nixlWrite{}, expect: map[roundKey]*nixlExpect{}, done: make(chan struct{})}
 	if p.poll <= 0 {
