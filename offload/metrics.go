@@ -256,7 +256,7 @@ func (s Metrics) WritePrometheus(w io.Writer) error {
 	type family struct {
 		typ, help string
 		samples   []float64
-		tiers     []string
+		labels    [][]string
 	}
 	fams := map[string]*family{}
 	for _, t := range secondary {
@@ -267,14 +267,14 @@ func (s Metrics) WritePrometheus(w io.Writer) error {
 				fams[st.Name] = f
 			}
 			f.samples = append(f.samples, st.Value)
-			f.tiers = append(f.tiers, t.Name)
+			f.labels = append(f.labels, append([]string{"tier", t.Name}, st.Labels...))
 		}
 	}
 	for _, name := range slices.Sorted(maps.Keys(fams)) {
 		f := fams[name]
 		p.family(name, f.typ, f.help)
 		for i, v := range f.samples {
-			p.sample(v, "tier", f.tiers[i])
+			p.sample(v, f.labels[i]...)
 		}
 	}
 	c := s.CPU

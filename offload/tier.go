@@ -70,6 +70,9 @@ type Stat struct {
 	Type  string  `json:"type"`
 	Help  string  `json:"help"`
 	Value float64 `json:"value"`
+	// Labels are extra label name/value pairs beside the tier's; stats of
+	// one name with different labels are samples of one family.
+	Labels []string `json:"labels,omitempty"`
 }
 
 // Level says which blocks of a request a tier wants.

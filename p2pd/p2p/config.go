@@ -41,8 +41,20 @@ type Config struct {
 	KeepaliveInterval offload.Duration `json:"keepalive_interval"`
 	KeepaliveTimeout  offload.Duration `json:"keepalive_timeout"`
 	HandshakeTimeout  offload.Duration `json:"handshake_timeout"`
+	// LookupTimeout bounds a consumer's lookup (S6.10): unanswered after
+	// it, the lookup's keys answer Miss. Zero means lookup_hold + 2s.
+	LookupTimeout offload.Duration `json:"lookup_timeout"`
 	// DataConns is the number of data connections per peer (TCP).
 	DataConns int `json:"data_conns"`
+	// MaxSessions caps peer sessions; MaxHandshakes caps accepted
+	// connections still in their handshake; MaxDataConns caps a peer's
+	// inbound data connections (S8.1).
+	MaxSessions   int `json:"max_sessions"`
+	MaxHandshakes int `json:"max_handshakes"`
+	MaxDataConns  int `json:"max_data_conns"`
+	// DataIdleTimeout closes an inbound data connection that carried no
+	// block for this long (the producer dials again when it needs one).
+	DataIdleTimeout offload.Duration `json:"data_idle_timeout"`
 	// DataPlane moves the blocks: "tcp" (the default) or "nixl" (a binary
 	// built with the nixl tag; every peer must use the same).
 	DataPlane string `json:"data_plane"`
@@ -62,8 +74,20 @@ func DefaultConfig() Config {
 		KeepaliveTimeout:  offload.Duration(10 * time.Second),
 		HandshakeTimeout:  offload.Duration(5 * time.Second),
 		DataConns:         4,
+		MaxSessions:       256,
+		MaxHandshakes:     64,
+		MaxDataConns:      16,
+		DataIdleTimeout:   offload.Duration(5 * time.Minute),
 		DataPlane:         "tcp",
 	}
+}
+
+// lookupTimeout is lookup_timeout, or lookup_hold + 2s when unset.
+func (c *Config) lookupTimeout() time.Duration {
+	if c.LookupTimeout > 0 {
+		return time.Duration(c.LookupTimeout)
+	}
+	return time.Duration(c.LookupHold) + 2*time.Second
 }
 
 // ErrConfig is a bad P2P configuration value.
@@ -76,7 +100,8 @@ func (c *Config) Validate() error {
 		v   offload.Duration
 	}{{"lookup_hold", c.LookupHold}, {"pin_hold", c.PinHold}, {"load_timeout", c.LoadTimeout},
 		{"abort_ack_timeout", c.AbortAckTimeout}, {"keepalive_interval", c.KeepaliveInterval},
-		{"keepalive_timeout", c.KeepaliveTimeout}, {"handshake_timeout", c.HandshakeTimeout}} {
+		{"keepalive_timeout", c.KeepaliveTimeout}, {"handshake_timeout", c.HandshakeTimeout},
+		{"data_idle_timeout", c.DataIdleTimeout}} {
 		if d.v <= 0 {
 			return fmt.Errorf("%w: %s: %v is not a positive duration", ErrConfig, d.key, time.Duration(d.v))
 		}
@@ -85,8 +110,16 @@ func (c *Config) Validate() error {
 	case c.KeepaliveTimeout <= c.KeepaliveInterval:
 		return fmt.Errorf("%w: keepalive_timeout: %v must exceed keepalive_interval %v", ErrConfig,
 			time.Duration(c.KeepaliveTimeout), time.Duration(c.KeepaliveInterval))
+	case c.LookupTimeout < 0:
+		return fmt.Errorf("%w: lookup_timeout: %v is negative", ErrConfig, time.Duration(c.LookupTimeout))
 	case c.DataConns < 1 || c.DataConns > 64:
 		return fmt.Errorf("%w: data_conns: %d is not in [1, 64]", ErrConfig, c.DataConns)
+	case c.MaxSessions < 1:
+		return fmt.Errorf("%w: max_sessions: %d is not positive", ErrConfig, c.MaxSessions)
+	case c.MaxHandshakes < 1:
+		return fmt.Errorf("%w: max_handshakes: %d is not positive", ErrConfig, c.MaxHandshakes)
+	case c.MaxDataConns < c.DataConns:
+		return fmt.Errorf("%w: max_data_conns: %d is below data_conns %d", ErrConfig, c.MaxDataConns, c.DataConns)
 	case len(c.NodeID) > 256:
 		return fmt.Errorf("%w: node_id: longer than 256 bytes", ErrConfig)
 	case c.Listen == "":

@@ -1,6 +1,7 @@
 package p2p
 
 import (
+	"slices"
 	"time"
 
 	"github.com/kvtier/kvtier/offload"
@@ -20,19 +21,21 @@ type creq struct {
 	kvID       string
 	probes     map[offload.Key]int8
 	unsent     []offload.Key
-	round      uint64 // the round its lookups go in; 0: none open
-	lookupOpen bool   // a lookup was sent and no fetch closed it (S6.7)
-	failed     bool   // answers Miss for the rest of its life (S6.6)
+	round      uint64    // the round its lookups go in; 0: none open
+	lookupOpen bool      // a lookup was sent and no fetch closed it (S6.7)
+	askedAt    time.Time // the oldest lookup still unanswered was sent (S6.10)
+	failed     bool      // answers Miss for the rest of its life (S6.6)
 	finished   bool
 }
 
-func (cr *creq) answered() bool {
-	for _, v := range cr.probes {
-		if v == probePending {
-			return false
+// waiting says whether a lookup sent to the peer has keys not answered.
+func (cr *creq) waiting() bool {
+	for k, v := range cr.probes {
+		if v == probePending && !slices.Contains(cr.unsent, k) {
+			return true
 		}
 	}
-	return true
+	return false
 }
 
 // load is a promotion in flight from a peer: it succeeds when the peer's
@@ -139,6 +142,7 @@ func (t *Tier) SubmitLoad(job *offload.Job) {
 	cr.probes = map[offload.Key]int8{}
 	cr.unsent = nil
 	cr.round = 0
+	cr.askedAt = time.Time{}
 	t.env.Wake() // the load's timeout needs the timer armed
 }
 
@@ -149,8 +153,14 @@ func (t *Tier) onLookupResp(s *session, m wire.LookupResp) error {
 	}
 	for i, k := range m.Keys {
 		if v, ok := cr.probes[k]; ok && v == probePending {
-			cr.probes[k] = map[bool]int8{true: probeHit, false: probeMiss}[m.Hits[i]]
+			cr.probes[k] = probeMiss
+			if m.Hits[i] {
+				cr.probes[k] = probeHit
+			}
 		}
+	}
+	if !cr.waiting() {
+		cr.askedAt = time.Time{}
 	}
 	t.env.Progress() // lookup answers changed (S2.10)
 	return nil

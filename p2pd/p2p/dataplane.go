@@ -9,6 +9,7 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -62,7 +63,7 @@ var castagnoli = crc32.MakeTable(crc32.Castagnoli)
 
 // dataStats are a data plane's counters, exported as metrics.
 type dataStats struct {
-	crcErrors, strays, bytesOut, bytesIn atomic.Uint64
+	crcErrors, strays, bytesOut, bytesIn, capDrops atomic.Uint64
 }
 
 func (s *dataStats) counters() *dataStats { return s }
@@ -74,18 +75,51 @@ func (s *dataStats) counters() *dataStats { return s }
 type TCPPlane struct {
 	arena *offload.Arena
 	net   Network
-	conns int
-	self  wire.Hello
+	cfg   TCPPlaneConfig
 	log   *slog.Logger
 	dataStats
 
-	mu     sync.Mutex
-	closed bool
-	peers  map[string]*tcpPeer
-	expect map[roundKey]*expectation
-	dead   map[roundKey]bool // cancelled rounds: stray blocks are drained
-	writes map[roundKey][]*write
-	wg     sync.WaitGroup
+	mu       sync.Mutex
+	closed   bool
+	peers    map[string]*tcpPeer
+	expect   map[roundKey]*expectation
+	dead     map[roundKey]bool // cancelled rounds: stray blocks are drained
+	deadFIFO []roundKey        // dead in insertion order: the oldest go beyond maxDead
+	writes   map[roundKey][]*write
+	wg       sync.WaitGroup
+}
+
+// TCPPlaneConfig configures a TCP data plane.
+type TCPPlaneConfig struct {
+	// Conns is how many data connections a producer keeps per peer.
+	Conns int
+	// MaxIn caps a peer's inbound data connections (S8.1).
+	MaxIn int
+	// IdleTimeout closes an inbound connection that carried no block for
+	// this long (zero: never).
+	IdleTimeout time.Duration
+	// Auth authenticates a data connection dialled to a peer before any
+	// block is written on it (S7.1); nil sends nothing before the blocks.
+	Auth func(c net.Conn, peer string) error
+}
+
+// maxDead bounds the cancelled rounds whose stray blocks are drained
+// quietly (S8.5); a block of a round forgotten beyond it closes its data
+// connection as unexpected, and the producer dials again.
+const maxDead = 4096
+
+// markDeadLocked remembers a cancelled round, forgetting the oldest
+// beyond maxDead.
+func (p *TCPPlane) markDeadLocked(k roundKey) {
+	if p.dead[k] {
+		return
+	}
+	p.dead[k] = true
+	p.deadFIFO = append(p.deadFIFO, k)
+	for len(p.deadFIFO) > maxDead {
+		delete(p.dead, p.deadFIFO[0])
+		p.deadFIFO = p.deadFIFO[1:]
+	}
 }
 
 type roundKey struct {
@@ -94,13 +128,12 @@ type roundKey struct {
 }
 
 type tcpPeer struct {
-	addr     string
-	out      []*outConn
-	in       map[net.Conn]bool
-	readers  sync.WaitGroup
-	next     int
-	dialOnce sync.Once
-	dialErr  error
+	addr    string
+	out     []*outConn // under the plane's mu
+	in      map[net.Conn]bool
+	readers sync.WaitGroup
+	next    int
+	dialMu  sync.Mutex // one dialler at a time
 }
 
 type expectation struct {
@@ -118,6 +151,7 @@ type outConn struct {
 	cond  *sync.Cond
 	queue []*blockTask
 	dead  error
+	used  time.Time // the last block queued: an idle connection is replaced before the peer times it out
 }
 
 type blockTask struct {
@@ -149,9 +183,12 @@ func (w *write) finish(err error) {
 }
 
 // NewTCPPlane returns a TCP data plane over arena.
-func NewTCPPlane(arena *offload.Arena, n Network, conns int, self wire.Hello, log *slog.Logger) *TCPPlane {
-	self.Kind = wire.KindData
-	return &TCPPlane{arena: arena, net: n, conns: conns, self: self, log: log,
+func NewTCPPlane(arena *offload.Arena, n Network, cfg TCPPlaneConfig, log *slog.Logger) *TCPPlane {
+	cfg.Conns = max(cfg.Conns, 1)
+	if cfg.MaxIn < cfg.Conns {
+		cfg.MaxIn = 4 * cfg.Conns
+	}
+	return &TCPPlane{arena: arena, net: n, cfg: cfg, log: log,
 		peers: make(map[string]*tcpPeer), expect: make(map[roundKey]*expectation), dead: make(map[roundKey]bool),
 		writes: make(map[roundKey][]*write)}
 }
@@ -181,7 +218,7 @@ func (p *TCPPlane) RemovePeer(peer string, done func()) {
 	for k, e := range p.expect {
 		if k.peer == peer {
 			delete(p.expect, k)
-			p.dead[k] = true
+			p.markDeadLocked(k)
 			if !e.ended {
 				e.ended = true
 				fail = append(fail, e)
@@ -222,39 +259,67 @@ func (o *outConn) kill(err error) {
 	o.cond.Broadcast()
 }
 
-// dial opens the producer's connections to a peer, once.
-func (p *TCPPlane) dial(peer string, tp *tcpPeer) error {
-	tp.dialOnce.Do(func() {
-		var buf []byte
-		for range p.conns {
-			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-			c, err := p.net.Dial(ctx, tp.addr)
-			cancel()
-			if err == nil {
-				buf, err = wire.Write(c, buf, p.self)
-				if err != nil {
-					c.Close()
-				}
-			}
-			if err != nil {
-				tp.dialErr = fmt.Errorf("p2p: data connection to %s: %w", tp.addr, err)
-				return
-			}
-			o := &outConn{c: c}
-			o.cond = sync.NewCond(&o.mu)
-			p.mu.Lock()
-			if p.closed || p.peers[peer] != tp {
-				p.mu.Unlock()
-				c.Close()
-				tp.dialErr = ErrNoPeer
-				return
-			}
-			tp.out = append(tp.out, o)
-			p.mu.Unlock()
-			p.wg.Go(func() { p.writer(o) })
+// dial makes sure the producer has its Conns live connections to a
+// peer: dead ones (and ones idle for half the peer's idle timeout, which
+// the peer may be closing) are replaced. It returns the live ones.
+func (p *TCPPlane) dial(peer string, tp *tcpPeer) ([]*outConn, error) {
+	tp.dialMu.Lock()
+	defer tp.dialMu.Unlock()
+	p.mu.Lock()
+	now := time.Now()
+	live := tp.out[:0]
+	for _, o := range tp.out {
+		o.mu.Lock()
+		stale := o.dead != nil || (p.cfg.IdleTimeout > 0 && len(o.queue) == 0 && now.Sub(o.used) > p.cfg.IdleTimeout/2)
+		o.mu.Unlock()
+		if stale {
+			o.kill(ErrCanceled)
+			continue
 		}
-	})
-	return tp.dialErr
+		live = append(live, o)
+	}
+	clear(tp.out[len(live):])
+	tp.out = live
+	missing := p.cfg.Conns - len(tp.out)
+	p.mu.Unlock()
+	for range missing {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		c, err := p.net.Dial(ctx, tp.addr)
+		cancel()
+		if err == nil && p.cfg.Auth != nil {
+			c.SetDeadline(time.Now().Add(10 * time.Second))
+			if err = p.cfg.Auth(c, peer); err != nil {
+				c.Close()
+			} else {
+				c.SetDeadline(time.Time{})
+			}
+		}
+		if err != nil {
+			err = fmt.Errorf("p2p: data connection to %s: %w", tp.addr, err)
+			p.mu.Lock()
+			out := slices.Clone(tp.out)
+			p.mu.Unlock()
+			if len(out) > 0 {
+				p.log.Warn("p2p: fewer data connections than configured", "peer", peer, "err", err)
+				return out, nil
+			}
+			return nil, err
+		}
+		o := &outConn{c: c, used: time.Now()}
+		o.cond = sync.NewCond(&o.mu)
+		p.mu.Lock()
+		if p.closed || p.peers[peer] != tp {
+			p.mu.Unlock()
+			c.Close()
+			return nil, ErrNoPeer
+		}
+		tp.out = append(tp.out, o)
+		p.mu.Unlock()
+		p.wg.Go(func() { p.writer(o) })
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return slices.Clone(tp.out), nil
 }
 
 func (p *TCPPlane) Write(peer string, round uint64, pairs []SlotPair, done func(error)) {
@@ -290,14 +355,15 @@ func (p *TCPPlane) Write(peer string, round uint64, pairs []SlotPair, done func(
 	}
 	// Dialling may block: do it off the caller's goroutine.
 	p.wg.Go(func() {
-		if err := p.dial(peer, tp); err != nil {
+		out, err := p.dial(peer, tp)
+		if err != nil {
 			w.left.Store(1)
 			w.finish(err)
 			return
 		}
 		bs := p.arena.SlotBytes()
 		p.mu.Lock()
-		out, first := tp.out, tp.next
+		first := tp.next
 		tp.next += len(pairs)
 		p.mu.Unlock()
 		for i, pr := range pairs {
@@ -315,6 +381,7 @@ func (p *TCPPlane) Write(peer string, round uint64, pairs []SlotPair, done func(
 				continue
 			}
 			o.queue = append(o.queue, t)
+			o.used = time.Now()
 			o.cond.Signal()
 			o.mu.Unlock()
 		}
@@ -391,7 +458,7 @@ func (p *TCPPlane) Unexpect(peer string, round uint64, done func()) {
 	p.mu.Lock()
 	e := p.expect[k]
 	delete(p.expect, k)
-	p.dead[k] = true
+	p.markDeadLocked(k)
 	var fail bool
 	if e != nil {
 		fail = !e.ended
@@ -410,13 +477,21 @@ func (p *TCPPlane) Unexpect(peer string, round uint64, done func()) {
 	}
 }
 
-// Accept serves one inbound data connection from a known peer.
+// Accept serves one inbound data connection from a known peer; the tier
+// authenticated it. Beyond MaxIn of a peer's, it is closed and counted.
 func (p *TCPPlane) Accept(c net.Conn, h wire.Hello) {
 	p.mu.Lock()
 	tp := p.peers[h.NodeID]
 	if tp == nil || p.closed {
 		p.mu.Unlock()
 		p.strays.Add(1)
+		c.Close()
+		return
+	}
+	if len(tp.in) >= p.cfg.MaxIn {
+		p.mu.Unlock()
+		p.capDrops.Add(1)
+		p.log.Warn("p2p: data connection cap reached; closing one", "peer", h.NodeID, "max_data_conns", p.cfg.MaxIn)
 		c.Close()
 		return
 	}
@@ -441,10 +516,14 @@ func (p *TCPPlane) Accept(c net.Conn, h wire.Hello) {
 func (p *TCPPlane) read(peer string, c net.Conn) error {
 	bs := p.arena.SlotBytes()
 	for {
+		if p.cfg.IdleTimeout > 0 {
+			c.SetReadDeadline(time.Now().Add(p.cfg.IdleTimeout))
+		}
 		h, err := wire.ReadDataHeader(c)
 		if err != nil {
 			return err
 		}
+		c.SetReadDeadline(time.Time{})
 		k := roundKey{peer, h.Round}
 		p.mu.Lock()
 		e := p.expect[k]
@@ -490,7 +569,7 @@ func (p *TCPPlane) read(peer string, c net.Conn) error {
 			// once no reader is inside a slot.
 			e.ended = true
 			done = e.done
-			p.dead[k] = true
+			p.markDeadLocked(k)
 		case len(e.left) == 0 && e.reading == 0:
 			e.ended = true
 			done = e.done

@@ -81,28 +81,47 @@ func (l *memListener) Addr() net.Addr { return memAddr(l.addr) }
 // fakePeer speaks the protocol by hand over a memNet connection, to drive
 // one side of a session exactly.
 type fakePeer struct {
-	t    testing.TB
-	c    net.Conn
-	buf  []byte
-	node offload.Config
-	id   string
-	recv chan wire.Msg
-	mu   sync.Mutex // serialises sends (the test and the pong replies)
+	t     testing.TB
+	c     net.Conn
+	buf   []byte
+	node  offload.Config
+	id    string
+	inc   [16]byte
+	token string
+	recv  chan wire.Msg
+	mu    sync.Mutex // serialises sends (the test and the pong replies)
 	// Mute stops the automatic pong replies (set before the handshake).
 	Mute  bool
 	pings int
 }
 
+// fakeShaker is the handshaker of a fake peer named id.
+func (f *fakePeer) shaker() *handshaker {
+	return &handshaker{self: peerID{f.id, f.inc}, token: []byte(f.token), connect: wire.Connect{NodeID: f.id,
+		Incarnation: f.inc, Version: wire.Version, BlockBytes: uint64(f.node.Geometry.BlockBytes()),
+		Fingerprint: f.node.Fingerprint(), HashSeed: f.node.HashSeed, Addr: f.id + ":1", DataPlane: "tcp"}}
+}
+
 // connectFake dials n's P2P port as peer id and completes the handshake.
 func connectFake(t testing.TB, mn *memNet, n *node, id string) *fakePeer {
 	t.Helper()
+	f := newFake(t, id, n.tier.cfg.ClusterToken)
 	c, err := mn.Dial(context.Background(), n.tier.Addr())
 	if err != nil {
 		t.Fatal(err)
 	}
-	f := &fakePeer{t: t, c: c, node: tinyConfig(1), id: id}
-	f.send(wire.Hello{Version: wire.Version, Kind: wire.KindControl, NodeID: id})
-	f.handshake()
+	f.c = c
+	if _, err := f.shaker().dialControl(c); err != nil {
+		t.Fatalf("fake peer handshake: %v", err)
+	}
+	f.serve()
+	return f
+}
+
+func newFake(t testing.TB, id, token string) *fakePeer {
+	f := &fakePeer{t: t, node: tinyConfig(1), id: id, token: token}
+	f.inc[0] = byte(len(id))
+	copy(f.inc[1:], id)
 	return f
 }
 
@@ -114,24 +133,21 @@ func acceptFake(t testing.TB, l net.Listener, id string) *fakePeer {
 	if err != nil {
 		t.Fatal(err)
 	}
-	f := &fakePeer{t: t, c: c, node: tinyConfig(1), id: id}
-	if h, ok := f.read().(wire.Hello); !ok || h.Kind != wire.KindControl {
+	f := newFake(t, id, "")
+	f.c = c
+	h, ok := f.read().(wire.Hello)
+	if !ok || h.Kind != wire.KindControl {
 		t.Fatalf("first frame %v, want a control hello", h)
 	}
-	f.handshake()
+	if _, err := f.shaker().acceptControl(c, h); err != nil {
+		t.Fatalf("fake peer handshake: %v", err)
+	}
+	f.serve()
 	return f
 }
 
-func (f *fakePeer) handshake() {
-	f.send(wire.Connect{NodeID: f.id, Version: wire.Version, BlockBytes: uint64(f.node.Geometry.BlockBytes()),
-		Fingerprint: f.node.Fingerprint(), HashSeed: f.node.HashSeed, Addr: f.id + ":1", DataPlane: "tcp"})
-	if _, ok := f.read().(wire.Connect); !ok {
-		f.t.Fatal("no connect from the node")
-	}
-	f.send(wire.ConnectAck{})
-	if _, ok := f.read().(wire.ConnectAck); !ok {
-		f.t.Fatal("no connect_ack from the node")
-	}
+// serve reads what the node sends after the handshake, answering pings.
+func (f *fakePeer) serve() {
 	f.recv = make(chan wire.Msg, 64)
 	go func() {
 		defer close(f.recv)

@@ -3,6 +3,7 @@ package p2p
 import (
 	"context"
 	"encoding/binary"
+	"errors"
 	"hash/crc32"
 	"io"
 	"net"
@@ -52,7 +53,7 @@ func TestProducerHappyPath(t *testing.T) {
 			t.Fatalf("%d pins after the lookup, want 2", n)
 		}
 		f.send(wire.Fetch{ReqID: "kv", Round: 1, Keys: wkeys(keys[:2]), Slots: []uint32{7, 3}})
-		got := readBlocks(t, dataL, 2, prod.m.BlockBytes())
+		got := readBlocks(t, f, dataL, 2, prod.m.BlockBytes())
 		for i, slot := range []uint32{7, 3} {
 			if b, ok := got[slot]; !ok || string(b) != string(blockOf(keys[i], prod.m.BlockBytes())) {
 				t.Errorf("slot %d: wrong or missing block", slot)
@@ -71,7 +72,7 @@ func TestProducerHappyPath(t *testing.T) {
 
 // readBlocks accepts the producer's data connections (DataConns of them)
 // and returns the first n blocks by destination slot, checking each CRC.
-func readBlocks(t *testing.T, l net.Listener, n, size int) map[uint32][]byte {
+func readBlocks(t *testing.T, f *fakePeer, l net.Listener, n, size int) map[uint32][]byte {
 	type blk struct {
 		slot uint32
 		b    []byte
@@ -84,7 +85,14 @@ func readBlocks(t *testing.T, l net.Listener, n, size int) map[uint32][]byte {
 				return
 			}
 			go func() {
-				if _, err := wire.ReadFrame(c, nil, wire.MaxFrame); err != nil {
+				p, err := wire.ReadFrame(c, nil, wire.MaxPreAuthFrame)
+				if err != nil {
+					return
+				}
+				m, _ := wire.Decode(p)
+				h, _ := m.(wire.Hello)
+				if err := f.shaker().acceptData(c, h, func(peerID) bool { return true }); err != nil {
+					t.Errorf("data handshake: %v", err)
 					return
 				}
 				for {
@@ -239,13 +247,15 @@ func TestDuplicateFetch(t *testing.T) {
 	})
 }
 
+// stat sums the P2P tier's samples of a metric (0 when it has none).
 func stat(n *node, name string) float64 {
+	var v float64
 	for _, s := range n.m.Metrics().Tiers[1].Stats {
 		if s.Name == name {
-			return s.Value
+			v += s.Value
 		}
 	}
-	return -1
+	return v
 }
 
 // consumerSetup starts a consumer node whose request r names the fake
@@ -404,56 +414,43 @@ func TestResetDuringLookup(t *testing.T) {
 }
 
 // S6.1: a mismatched handshake (here the hash seed) is rejected with a
-// reason both sides see; a configured cluster token must be proven.
+// code both sides see; a configured cluster token must be proven.
 func TestHandshakeRejects(t *testing.T) {
 	for name, tc := range map[string]struct {
 		edit  func(*Config)
 		fake  func(*fakePeer)
-		wants string
+		wants wire.Code
 	}{
-		"hash seed": {fake: func(f *fakePeer) { f.node.HashSeed = "other" }, wants: "hash seed"},
-		"token":     {edit: func(c *Config) { c.ClusterToken = "s3cret" }, wants: "cluster token"},
+		"hash seed": {fake: func(f *fakePeer) { f.node.HashSeed = "other" }, wants: wire.CodeHashSeed},
+		"no token":  {edit: func(c *Config) { c.ClusterToken = "s3cret" }, wants: wire.CodeAuth},
+		"wrong token": {edit: func(c *Config) { c.ClusterToken = "s3cret" }, fake: func(f *fakePeer) { f.token = "guess" },
+			wants: wire.CodeAuth},
 	} {
 		t.Run(name, func(t *testing.T) {
 			synctest.Test(t, func(t *testing.T) {
 				mn := newMemNet()
 				prod := newNode(t, mn, tc.edit, 4)
 				c, _ := mn.Dial(context.Background(), prod.tier.Addr())
-				f := &fakePeer{t: t, c: c, node: tinyConfig(1), id: "fake"}
+				f := newFake(t, "fake", "")
+				f.c = c
 				if tc.fake != nil {
 					tc.fake(f)
 				}
-				f.send(wire.Hello{Version: wire.Version, Kind: wire.KindControl, NodeID: "fake"})
-				f.send(wire.Connect{NodeID: "fake", Version: wire.Version, BlockBytes: uint64(f.node.Geometry.BlockBytes()),
-					Fingerprint: f.node.Fingerprint(), HashSeed: f.node.HashSeed, Addr: "fake:1", DataPlane: "tcp"})
-				var reason string
-				for m := f.readErr(); m != nil; m = f.readErr() {
-					if d, ok := m.(wire.Disconnect); ok {
-						reason = d.Reason
-					}
-					if _, ok := m.(wire.Connect); ok && name == "token" {
-						f.send(wire.ConnectAck{}) // no proof
-					}
-				}
-				if !contains(reason, tc.wants) {
-					t.Errorf("disconnect reason %q, want it to mention %q", reason, tc.wants)
+				_, err := f.shaker().dialControl(c)
+				var re *rejectError
+				if !errors.As(err, &re) || re.Code != tc.wants || !re.byPeer {
+					t.Fatalf("handshake: %v, want a reject by the node with code %v", err, tc.wants)
 				}
 				synctest.Wait()
 				if v := stat(prod, "kv_offload_p2p_handshake_rejects_total"); v != 1 {
 					t.Errorf("rejects %v, want 1", v)
 				}
+				if n := len(prod.tier.Peers()); n != 0 {
+					t.Errorf("%d sessions after a rejected handshake", n)
+				}
 			})
 		})
 	}
-}
-
-func contains(s, sub string) bool {
-	for i := 0; i+len(sub) <= len(s); i++ {
-		if s[i:i+len(sub)] == sub {
-			return true
-		}
-	}
-	return false
 }
 
 // S6.8: the producer's connection drops mid-transfer: the consumer's load
@@ -527,7 +524,9 @@ func TestUnexpectedBlock(t *testing.T) {
 		connectFake(t, mn, cons, "fake") // registers the peer
 		synctest.Wait()
 		c, _ := mn.Dial(context.Background(), cons.tier.Addr())
-		wire.Write(c, nil, wire.Hello{Version: wire.Version, Kind: wire.KindData, NodeID: "fake"})
+		if err := newFake(t, "fake", "").shaker().dialData(c, peerID{cons.tier.self.NodeID, cons.tier.self.Incarnation}); err != nil {
+			t.Fatalf("data handshake: %v", err)
+		}
 		var hdr [wire.DataHeaderSize]byte
 		wire.PutDataHeader(hdr[:], wire.DataHeader{Round: 99, Slot: 3, Len: uint32(cons.m.BlockBytes())})
 		c.Write(hdr[:])

@@ -1,44 +1,43 @@
 package p2p
 
 import (
-	"crypto/hmac"
-	"crypto/rand"
+	"bytes"
 	"errors"
 	"fmt"
 	"net"
+	"slices"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/kvtier/kvtier/offload"
 	"github.com/kvtier/kvtier/p2pd/wire"
 )
 
-// session is one peer: one control connection, the consumer requests that
-// fetch from it and the rounds this node serves it (S6.1). Fields are
-// touched under the manager lock, except the send queue.
+// session is one peer process: the consumer requests that fetch from it
+// and the rounds this node serves it (S6.1). It speaks over one active
+// control connection; a duplicate connection to the same process retires
+// beside it without losing a frame. Fields are touched under the manager
+// lock.
 type session struct {
 	t       *Tier
 	dialed  bool
 	addr    string // what we dialled
 	created time.Time
-	conn    net.Conn
+	conn    *ctrlConn   // the active connection; nil while dialling
+	old     []*ctrlConn // duplicates retiring
 
 	peer     string
 	peerInc  [16]byte
 	peerAddr string
 	peerInfo []byte
-	nonce    [32]byte
 
-	gotConnect, gotAck, ready, dead bool
-	handshakeDone                   atomic.Bool // lets the reader lower the frame limit
-	held                            []wire.Msg  // role messages queued until ready
+	ready, dead bool
+	held        []wire.Msg // role messages queued until ready
 
 	lastRecv time.Time
 	pingSent time.Time
 	pingSeq  uint64
 	errs     int // consecutive handler errors (S8.2)
-	round    uint64
 
 	creqs   map[string]*creq    // consumer requests by kv_request_id
 	rounds  map[roundID]*pround // rounds this node serves
@@ -46,7 +45,19 @@ type session struct {
 	pins    map[uint64]*pround  // pin job → its round
 	loads   map[uint64]*load    // consumer loads by round
 	quar    []*load             // loads quarantined until the data plane proves the writer stopped
-	out     struct {            // frames for the writer goroutine
+}
+
+// ctrlConn is one authenticated control connection with its reader and
+// writer goroutines; they stop when the connection closes.
+type ctrlConn struct {
+	c         net.Conn
+	s         *session
+	dialer    string   // node id of the side that dialled it
+	nonce     [32]byte // the dialler's handshake nonce
+	retiring  bool     // a losing duplicate: nothing new is sent on it
+	retiredAt time.Time
+	peerDone  bool // the peer's duplicate marker arrived: nothing more comes on it
+	out       struct {
 		sync.Mutex
 		cond   *sync.Cond
 		frames [][]byte
@@ -62,67 +73,186 @@ type roundID struct {
 func (t *Tier) newSession(dialed bool, addr string) *session {
 	s := &session{t: t, dialed: dialed, addr: addr, created: time.Now(), creqs: map[string]*creq{},
 		rounds: map[roundID]*pround{}, pins: map[uint64]*pround{}, loads: map[uint64]*load{}}
-	s.out.cond = sync.NewCond(&s.out.Mutex)
-	rand.Read(s.nonce[:])
 	t.sessions[s] = true
 	return s
 }
 
-func (s *session) nextRound() uint64 {
-	s.round++
-	return s.round
+// nextRound numbers a consumer round. One counter for the whole tier, so
+// rounds stay unique when duplicate sessions merge (S6.2).
+func (t *Tier) nextRound() uint64 {
+	t.round++
+	return t.round
 }
 
-// attach starts a control connection: its reader and writer goroutines,
-// then our Connect.
-func (t *Tier) attach(s *session, c net.Conn) {
-	if s.dead || t.closed {
+// wins says whether control connection a beats b as a duplicate (S6.1):
+// the one dialled by the smaller node id; between connections one node
+// dialled, the smaller dialler nonce. Both sides decide alike.
+func wins(a, b *ctrlConn) bool {
+	if a.dialer != b.dialer {
+		return a.dialer < b.dialer
+	}
+	return bytes.Compare(a.nonce[:], b.nonce[:]) < 0
+}
+
+// established takes a control connection whose handshake succeeded: the
+// first for that peer process makes its session ready; a duplicate joins
+// the existing session, and the loser of the two retires (S6.1). pending
+// is the session that dialled it (nil when accepted).
+func (t *Tier) established(pending *session, c net.Conn, sh shaken) {
+	if t.closed {
 		c.Close()
 		return
 	}
-	s.conn = c
+	defer t.redialed(pending)
+	if pending != nil && pending.dead {
+		pending = nil
+	}
+	cc := &ctrlConn{c: c, dialer: sh.dialer, nonce: sh.dialNonce}
+	cc.out.cond = sync.NewCond(&cc.out.Mutex)
+	pc := sh.peer
+	s := t.byNode[pc.NodeID]
+	if s != nil && s.peerInc != pc.Incarnation {
+		t.kill(s, "new incarnation of the peer")
+		s = nil
+	}
+	if s != nil {
+		if pending != nil && pending != s {
+			t.merge(s, pending)
+		}
+		t.start(s, cc)
+		if wins(cc, s.conn) {
+			t.retire(s.conn)
+			s.conn = cc
+		} else {
+			t.retire(cc)
+		}
+		t.st.duplicates++
+		return
+	}
+	if len(t.byNode) >= t.cfg.MaxSessions {
+		t.rejects.add(false, wire.CodeCapacity)
+		t.logReject("p2p: session cap reached; refusing a peer", "peer", pc.NodeID, "max_sessions", t.cfg.MaxSessions)
+		wire.Write(c, nil, wire.Disconnect{Code: wire.CodeCapacity, Reason: "too many sessions"})
+		c.Close()
+		if pending != nil {
+			t.kill(pending, "session cap reached")
+		}
+		return
+	}
+	if pending == nil {
+		pending = t.newSession(false, "")
+	}
+	s = pending
+	s.peer, s.peerInc, s.peerAddr, s.peerInfo = pc.NodeID, pc.Incarnation, pc.Addr, pc.DataInfo
+	t.start(s, cc)
+	s.conn = cc
+	if err := t.dp.AddPeer(s.peer, s.peerAddr, s.peerInfo); err != nil {
+		t.protocolErrorCode(s, wire.CodeDataPlane, fmt.Sprintf("data plane: %v", err))
+		return
+	}
+	s.ready = true
 	s.lastRecv = time.Now()
-	t.wg.Go(func() { s.writer(c) })
-	t.wg.Go(func() { s.reader(c) })
-	t.sendNow(s, wire.Connect{NodeID: t.self.NodeID, Incarnation: t.self.Incarnation, Version: wire.Version,
-		BlockBytes: uint64(t.blockBytes), Fingerprint: t.node.Fingerprint(), HashSeed: t.node.HashSeed,
-		Addr: t.addr, DataPlane: t.dp.Name(), DataInfo: t.dp.LocalInfo(), Nonce: s.nonce})
+	t.byNode[s.peer] = s
+	if s.peerAddr != "" && t.byAddr[s.peerAddr] == nil {
+		t.byAddr[s.peerAddr] = s
+	}
+	t.live.add(peerID{s.peer, s.peerInc})
+	t.st.sessionsOpened++
+	t.log.Info("p2p: peer connected", "peer", s.peer, "addr", s.peerAddr, "dialed", s.dialed)
+	for _, m := range s.held {
+		t.sendNow(s, m)
+	}
+	s.held = nil
 }
 
-func (s *session) reader(c net.Conn) {
+// start attaches cc to s and starts its goroutines.
+func (t *Tier) start(s *session, cc *ctrlConn) {
+	cc.s = s
+	t.wg.Go(func() { t.writer(cc) })
+	t.wg.Go(func() { t.reader(cc) })
+}
+
+// merge moves what a dialling session holds (requests waiting for the
+// handshake and their held messages) into the ready session of the same
+// peer: nothing was sent on its behalf yet, so nothing is lost.
+func (t *Tier) merge(s, pending *session) {
+	for id, cr := range pending.creqs {
+		if s.creqs[id] != nil {
+			cr.failed = true // two local requests share a kv_request_id
+			continue
+		}
+		cr.s = s
+		s.creqs[id] = cr
+	}
+	pending.creqs = map[string]*creq{}
+	if s.ready {
+		for _, m := range pending.held {
+			t.sendNow(s, m)
+		}
+	} else {
+		s.held = append(s.held, pending.held...)
+	}
+	pending.held = nil
+	pending.dead = true
+	delete(t.sessions, pending)
+	if pending.addr != "" {
+		t.byAddr[pending.addr] = s
+	}
+}
+
+// retire stops sending on a losing duplicate: frames already queued go
+// out, then the duplicate marker; the peer does the same, and the
+// connection closes once both markers passed, or after keepalive_timeout.
+// Frames that arrive on it meanwhile are served like any other.
+func (t *Tier) retire(cc *ctrlConn) {
+	if cc.retiring {
+		return
+	}
+	cc.retiring = true
+	cc.retiredAt = time.Now()
+	cc.queue(wire.Append(nil, wire.Disconnect{Code: wire.CodeDuplicate, Reason: "duplicate connection"}))
+	s := cc.s
+	s.old = append(s.old, cc)
+	if cc.peerDone {
+		t.closeConn(cc)
+	}
+	t.env.Wake() // the retirement's bound needs the timer armed
+}
+
+// closeConn flushes and closes one control connection and forgets it.
+func (t *Tier) closeConn(cc *ctrlConn) {
+	cc.out.Lock()
+	cc.out.closed = true
+	cc.out.cond.Signal()
+	cc.out.Unlock()
+	// The writer closes the connection after flushing; the deadlines make
+	// sure neither goroutine waits on the peer.
+	cc.c.SetReadDeadline(time.Now())
+	cc.c.SetWriteDeadline(time.Now().Add(time.Second))
+	if s := cc.s; s != nil {
+		s.old = slices.DeleteFunc(s.old, func(o *ctrlConn) bool { return o == cc })
+	}
+}
+
+func (t *Tier) reader(cc *ctrlConn) {
 	var buf []byte
 	for {
-		limit := wire.MaxHandshakeFrame
-		if s.handshakeDone.Load() {
-			limit = wire.MaxFrame
-		}
-		p, err := wire.ReadFrame(c, buf, limit)
+		p, err := wire.ReadFrame(cc.c, buf, wire.MaxFrame)
 		var m wire.Msg
 		if err == nil {
 			buf = p
 			m, err = wire.Decode(p)
 		}
 		if err != nil {
-			reason := fmt.Sprintf("connection lost: %v", err)
-			proto := errors.Is(err, wire.ErrMalformed)
-			if proto {
-				reason = fmt.Sprintf("protocol error: %v", err)
-			}
-			s.t.post(func() {
-				if proto {
-					s.t.protocolError(s, reason)
-				} else {
-					s.t.kill(s, reason)
-				}
-			})
+			t.post(func() { t.connLost(cc, err) })
 			return
 		}
-		s.t.post(func() { s.t.handle(s, m) })
+		t.post(func() { t.handle(cc, m) })
 	}
 }
 
-func (s *session) writer(c net.Conn) {
-	o := &s.out
+func (t *Tier) writer(cc *ctrlConn) {
+	o := &cc.out
 	for {
 		o.Lock()
 		for len(o.frames) == 0 && !o.closed {
@@ -133,28 +263,51 @@ func (s *session) writer(c net.Conn) {
 		closed := o.closed
 		o.Unlock()
 		for _, f := range frames {
-			if _, err := c.Write(f); err != nil {
-				s.t.post(func() { s.t.kill(s, fmt.Sprintf("send failed: %v", err)) })
-				c.Close()
+			if _, err := cc.c.Write(f); err != nil {
+				cc.c.Close()
+				t.post(func() { t.connLost(cc, err) })
 				return
 			}
 		}
 		if closed {
-			c.Close()
+			cc.c.Close()
 			return
 		}
 	}
 }
 
-// sendNow queues m for the writer regardless of the handshake.
-func (t *Tier) sendNow(s *session, m wire.Msg) {
-	f := wire.Append(nil, m)
-	s.out.Lock()
-	if !s.out.closed {
-		s.out.frames = append(s.out.frames, f)
-		s.out.cond.Signal()
+func (cc *ctrlConn) queue(f []byte) {
+	cc.out.Lock()
+	if !cc.out.closed {
+		cc.out.frames = append(cc.out.frames, f)
+		cc.out.cond.Signal()
 	}
-	s.out.Unlock()
+	cc.out.Unlock()
+}
+
+// connLost handles a control connection that broke: the session's active
+// one ends the session (S6.8); a retiring duplicate only goes away.
+func (t *Tier) connLost(cc *ctrlConn, err error) {
+	s := cc.s
+	if s == nil || s.dead {
+		return
+	}
+	if cc != s.conn {
+		t.closeConn(cc)
+		return
+	}
+	if errors.Is(err, wire.ErrMalformed) {
+		t.protocolError(s, fmt.Sprintf("protocol error: %v", err))
+		return
+	}
+	t.kill(s, fmt.Sprintf("connection lost: %v", err))
+}
+
+// sendNow queues m on the session's active connection.
+func (t *Tier) sendNow(s *session, m wire.Msg) {
+	if s.conn != nil {
+		s.conn.queue(wire.Append(nil, m))
+	}
 }
 
 // send queues a role message; before the handshake completes it is held.
@@ -172,35 +325,34 @@ func (t *Tier) send(s *session, m wire.Msg) {
 // handle dispatches one message (S6.2). A malformed message or a
 // duplicate fetch is a protocol error; five handler errors in a row
 // disconnect the session (S8.2).
-func (t *Tier) handle(s *session, m wire.Msg) {
+func (t *Tier) handle(cc *ctrlConn, m wire.Msg) {
+	s := cc.s
 	if s.dead {
 		return
 	}
 	s.lastRecv = time.Now()
 	var err error
 	switch m := m.(type) {
-	case wire.Connect:
-		err = t.onConnect(s, m)
-	case wire.ConnectAck:
-		err = t.onConnectAck(s, m)
 	case wire.Disconnect:
-		if !s.ready && m.Reason != "" {
-			t.st.rejects["by peer: "+m.Reason]++
-			t.log.Warn("p2p: peer rejected the handshake", "peer", s.peer, "addr", s.addr, "reason", m.Reason)
+		switch {
+		case m.Code == wire.CodeDuplicate:
+			cc.peerDone = true
+			if cc.retiring {
+				t.closeConn(cc)
+			}
+		case cc != s.conn:
+			t.closeConn(cc)
+		default:
+			t.kill(s, "peer disconnected: "+m.Code.String())
 		}
-		t.kill(s, "peer disconnected: "+m.Reason)
 		return
 	case wire.Ping:
 		t.sendNow(s, wire.Pong{Seq: m.Seq})
 	case wire.Pong:
 		s.pingSent = time.Time{}
-	case wire.Hello:
-		err = fmt.Errorf("%w: hello after the connection started", errProtocol)
+	case wire.Hello, wire.Challenge, wire.Auth, wire.Connect, wire.ConnectAck:
+		err = fmt.Errorf("%w: %v after the handshake", errProtocol, m.Type())
 	default:
-		if !s.ready {
-			err = fmt.Errorf("%w: %v before the handshake", errProtocol, m.Type())
-			break
-		}
 		err = t.handleRole(s, m)
 	}
 	switch {
@@ -212,7 +364,7 @@ func (t *Tier) handle(s *session, m wire.Msg) {
 		s.errs++
 		t.log.Warn("p2p: handler error", "peer", s.peer, "err", err, "in_a_row", s.errs)
 		if s.errs >= 5 {
-			t.protocolError(s, fmt.Sprintf("five handler errors in a row, last: %v", err))
+			t.protocolErrorCode(s, wire.CodeHandlerErrors, fmt.Sprintf("five handler errors in a row, last: %v", err))
 		}
 	}
 }
@@ -237,129 +389,13 @@ func (t *Tier) handleRole(s *session, m wire.Msg) error {
 	return fmt.Errorf("%w: unexpected %v", errProtocol, m.Type())
 }
 
-// onConnect checks the peer's handshake (S6.1); any mismatch rejects it
-// with a reason both sides log and count.
-func (t *Tier) onConnect(s *session, m wire.Connect) error {
-	if s.gotConnect {
-		return fmt.Errorf("%w: second connect", errProtocol)
-	}
-	reason := ""
-	switch {
-	case m.Version != wire.Version:
-		reason = fmt.Sprintf("protocol version %d, want %d", m.Version, wire.Version)
-	case m.NodeID == t.self.NodeID:
-		reason = "same node id as this node"
-	case m.BlockBytes != uint64(t.blockBytes):
-		reason = fmt.Sprintf("block size %d, want %d", m.BlockBytes, t.blockBytes)
-	case m.HashSeed != t.node.HashSeed:
-		reason = "hash seed differs"
-	case m.Fingerprint != t.node.Fingerprint():
-		reason = "config fingerprint differs"
-	case m.DataPlane != t.dp.Name():
-		reason = fmt.Sprintf("data plane %q, want %q", m.DataPlane, t.dp.Name())
-	}
-	if reason != "" {
-		t.reject(s, reason)
-		return nil
-	}
-	s.gotConnect = true
-	s.peer, s.peerInc, s.peerAddr, s.peerInfo = m.NodeID, m.Incarnation, m.Addr, m.DataInfo
-	t.sendNow(s, wire.ConnectAck{Proof: t.proof(m.Nonce, t.self.NodeID)})
-	return t.maybeReady(s)
-}
-
-func (t *Tier) onConnectAck(s *session, m wire.ConnectAck) error {
-	if s.gotAck {
-		return nil // harmless
-	}
-	if !s.gotConnect {
-		return fmt.Errorf("%w: connect_ack before connect", errProtocol)
-	}
-	if want := t.proof(s.nonce, s.peer); !hmac.Equal(want[:], m.Proof[:]) {
-		t.reject(s, "cluster token proof failed")
-		return nil
-	}
-	s.gotAck = true
-	return t.maybeReady(s)
-}
-
-func (t *Tier) reject(s *session, reason string) {
-	t.st.rejects[reason]++
-	t.log.Warn("p2p: rejecting peer", "peer", s.peer, "addr", s.addr, "reason", reason)
-	t.sendNow(s, wire.Disconnect{Reason: reason})
-	t.kill(s, "rejected: "+reason)
-}
-
-// maybeReady completes the handshake: duplicate sessions are resolved
-// (the connection dialled by the smaller node id wins), a new incarnation
-// of a known node kills the old session (S6.8), and held messages flow.
-func (t *Tier) maybeReady(s *session) error {
-	if !s.gotConnect || !s.gotAck || s.ready {
-		return nil
-	}
-	if o := t.byNode[s.peer]; o != nil && o != s && !o.dead {
-		if o.peerInc != s.peerInc {
-			t.kill(o, "new incarnation of the peer")
-		} else {
-			winner, loser := o, s
-			if dialer(s, t.self.NodeID) < dialer(o, t.self.NodeID) {
-				winner, loser = s, o
-			}
-			t.adopt(winner, loser)
-			t.kill(loser, "duplicate connection")
-			if loser == s {
-				return nil
-			}
-		}
-	}
-	if err := t.dp.AddPeer(s.peer, s.peerAddr, s.peerInfo); err != nil {
-		t.kill(s, fmt.Sprintf("data plane: %v", err))
-		return nil
-	}
-	s.ready = true
-	s.handshakeDone.Store(true)
-	t.byNode[s.peer] = s
-	t.st.sessionsOpened++
-	t.log.Info("p2p: peer connected", "peer", s.peer, "addr", s.peerAddr, "dialed", s.dialed)
-	for _, m := range s.held {
-		t.sendNow(s, m)
-	}
-	s.held = nil
-	return nil
-}
-
-// dialer is the node id that dialled s.
-func dialer(s *session, self string) string {
-	if s.dialed {
-		return self
-	}
-	return s.peer
-}
-
-// adopt moves the consumer requests and held messages of a session that
-// loses a duplicate race to the winner.
-func (t *Tier) adopt(winner, loser *session) {
-	for id, cr := range loser.creqs {
-		cr.s = winner
-		winner.creqs[id] = cr
-	}
-	loser.creqs = map[string]*creq{}
-	winner.held = append(winner.held, loser.held...)
-	loser.held = nil
-	if loser.dialed && t.byAddr[loser.addr] == loser {
-		t.byAddr[loser.addr] = winner
-	}
-	if winner.ready {
-		for _, m := range winner.held {
-			t.sendNow(winner, m)
-		}
-		winner.held = nil
-	}
-}
-
 func (t *Tier) protocolError(s *session, reason string) {
+	t.protocolErrorCode(s, wire.CodeProtocol, reason)
+}
+
+func (t *Tier) protocolErrorCode(s *session, code wire.Code, reason string) {
 	t.st.protocolErrors++
-	t.sendNow(s, wire.Disconnect{Reason: reason})
+	t.sendNow(s, wire.Disconnect{Code: code, Reason: reason})
 	t.kill(s, reason)
 }
 
@@ -377,23 +413,22 @@ func (t *Tier) kill(s *session, reason string) {
 	}
 	if s.ready {
 		t.st.peerDeaths++
+		t.live.remove(peerID{s.peer, s.peerInc})
 	}
-	s.out.Lock()
-	s.out.closed = true
-	s.out.cond.Signal()
-	s.out.Unlock()
-	if s.conn != nil {
-		// The writer closes the connection after flushing a goodbye; the
-		// deadlines make sure neither goroutine waits on the peer.
-		s.conn.SetReadDeadline(time.Now())
-		s.conn.SetWriteDeadline(time.Now().Add(time.Second))
+	for _, cc := range append(s.old, s.conn) {
+		if cc != nil {
+			t.closeConn(cc)
+		}
 	}
 	delete(t.sessions, s)
 	if t.byNode[s.peer] == s {
 		delete(t.byNode, s.peer)
 	}
-	if t.byAddr[s.addr] == s {
-		delete(t.byAddr, s.addr)
+	for a, o := range t.byAddr {
+		if o == s {
+			delete(t.byAddr, a)
+			t.scheduleRedial(a)
+		}
 	}
 	for _, cr := range s.creqs {
 		cr.failed = true
@@ -457,13 +492,36 @@ func (t *Tier) timeouts(s *session, now time.Time) time.Time {
 	}
 	cfg := t.cfg
 	if !s.ready {
-		d := s.created.Add(time.Duration(cfg.HandshakeTimeout))
+		return next // the dialling goroutine's deadlines bound the handshake
+	}
+	// Retiring duplicates close once both markers passed, or now.
+	for _, cc := range slices.Clone(s.old) {
+		d := cc.retiredAt.Add(time.Duration(cfg.KeepaliveTimeout))
 		if !now.Before(d) {
-			t.kill(s, "handshake timed out")
-			return time.Time{}
+			t.closeConn(cc)
+			continue
 		}
 		soonest(d)
-		return next
+	}
+	// Consumer: a lookup unanswered after lookup_timeout answers Miss (S6.10).
+	for _, cr := range s.creqs {
+		if cr.askedAt.IsZero() {
+			continue
+		}
+		d := cr.askedAt.Add(cfg.lookupTimeout())
+		if !now.Before(d) {
+			t.st.lookupTimeouts++
+			t.log.Warn("p2p: lookup not answered in time; its keys miss", "peer", s.peer, "kv_request_id", cr.kvID)
+			for k, v := range cr.probes {
+				if v == probePending && !slices.Contains(cr.unsent, k) {
+					cr.probes[k] = probeMiss
+				}
+			}
+			cr.askedAt = time.Time{}
+			t.env.Progress()
+			continue
+		}
+		soonest(d)
 	}
 	// Consumer: load timeout → abort; abort-ack timeout → quarantine (S6.6).
 	for round, l := range s.loads {
@@ -504,6 +562,7 @@ func (t *Tier) timeouts(s *session, now time.Time) time.Time {
 	// Liveness: pings only while work with the peer is outstanding (S6.9).
 	if s.busy() {
 		if !s.pingSent.IsZero() && !now.Before(s.pingSent.Add(time.Duration(cfg.KeepaliveTimeout))) {
+			t.sendNow(s, wire.Disconnect{Code: wire.CodeTimeout, Reason: "keep-alive timed out"})
 			t.kill(s, "keep-alive timed out")
 			return time.Time{}
 		}
@@ -531,7 +590,7 @@ func (s *session) busy() bool {
 		return true
 	}
 	for _, cr := range s.creqs {
-		if cr.lookupOpen && !cr.answered() {
+		if cr.lookupOpen && cr.waiting() {
 			return true
 		}
 	}

@@ -2,17 +2,17 @@ package p2p
 
 import (
 	"context"
-	"crypto/hmac"
 	"crypto/rand"
-	"crypto/sha256"
 	"encoding/hex"
 	"errors"
 	"fmt"
 	"io"
 	"log/slog"
 	"net"
+	"os"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/kvtier/kvtier/offload"
@@ -31,10 +31,19 @@ type Tier struct {
 	dp         DataPlane
 	ln         net.Listener
 	self       wire.Hello
+	hs         *handshaker
 	addr       string
 	blockBytes int
 	wg         sync.WaitGroup
 	closing    chan struct{}
+
+	// Shared with connection goroutines, safe without the manager lock.
+	live       liveSet       // processes with a ready session: data connections must come from one
+	handshakes atomic.Int64  // accepted connections still in their handshake
+	rejects    rejectCounts  // handshakes refused, by code and side
+	accept     acceptHealth  // the accept loop's errors
+	rejectLog  limiter       // rate limit for reject logs
+	capDrops   atomic.Uint64 // connections closed for the handshake cap
 
 	ev struct {
 		sync.Mutex
@@ -52,17 +61,125 @@ type Tier struct {
 	timerAt  time.Time
 	closed   bool
 	st       stats
+	round    uint64              // the last consumer round (nextRound)
+	redial   map[string]*backoff // static peers not connected: when to dial again
 	// lookupSeq numbers the outside requests of served lookups.
 	lookupSeq uint64
 }
 
 type stats struct {
 	sessionsOpened, peerDeaths, protocolErrors  uint64
-	rejects                                     map[string]uint64
+	duplicates                                  uint64
 	lookupsServed, keysHit, keysMissed, fetches uint64
 	roundsOK, roundsFailed                      uint64
 	loadTimeouts, abortAcks, quarantines        uint64
-	pinExpiries                                 uint64
+	pinExpiries, lookupTimeouts                 uint64
+}
+
+// backoff is a static peer's redial schedule: 1 s doubling to 30 s.
+type backoff struct {
+	at    time.Time // zero while a dial is in flight
+	delay time.Duration
+}
+
+const (
+	redialMin = time.Second
+	redialMax = 30 * time.Second
+)
+
+// liveSet holds the processes this node has a ready session with.
+type liveSet struct {
+	mu sync.Mutex
+	m  map[peerID]bool
+}
+
+func (l *liveSet) add(p peerID) {
+	l.mu.Lock()
+	if l.m == nil {
+		l.m = map[peerID]bool{}
+	}
+	l.m[p] = true
+	l.mu.Unlock()
+}
+
+func (l *liveSet) remove(p peerID) {
+	l.mu.Lock()
+	delete(l.m, p)
+	l.mu.Unlock()
+}
+
+func (l *liveSet) has(p peerID) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.m[p]
+}
+
+// incOf is the incarnation of node's live process.
+func (l *liveSet) incOf(node string) ([16]byte, bool) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for p := range l.m {
+		if p.node == node {
+			return p.inc, true
+		}
+	}
+	return [16]byte{}, false
+}
+
+// rejectCounts counts refused handshakes by code: [0] refused by this
+// node, [1] by the peer. The keys are a fixed set (S6.1), never peer text.
+type rejectCounts [2][wire.NumCodes]atomic.Uint64
+
+func (r *rejectCounts) add(byPeer bool, c wire.Code) {
+	side := 0
+	if byPeer {
+		side = 1
+	}
+	r[side][min(c, wire.NumCodes-1)].Add(1)
+}
+
+// acceptHealth is what the accept loop saw.
+type acceptHealth struct {
+	errors  atomic.Uint64
+	mu      sync.Mutex
+	last    string
+	lastAt  time.Time
+	stopped bool
+}
+
+// limiter allows a burst of logs per window and counts the rest.
+type limiter struct {
+	mu         sync.Mutex
+	start      time.Time
+	n          int
+	suppressed int
+}
+
+// allow says whether to log now; suppressed is how many were not logged
+// since the last allowed one.
+func (l *limiter) allow(now time.Time) (ok bool, suppressed int) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if now.Sub(l.start) >= 10*time.Second {
+		l.start, l.n = now, 0
+	}
+	if l.n >= 5 {
+		l.suppressed++
+		return false, 0
+	}
+	l.n++
+	suppressed, l.suppressed = l.suppressed, 0
+	return true, suppressed
+}
+
+// logReject logs a refused or failed handshake, at most five per 10 s.
+func (t *Tier) logReject(msg string, args ...any) {
+	if ok, n := t.rejectLog.allow(time.Now()); ok {
+		if n > 0 {
+			args = append(args, "suppressed", n)
+		}
+		t.log.Warn(msg, args...)
+	}
 }
 
 // Spec returns the TierSpec of a P2P tier: a remote, polled tier named
@@ -87,7 +204,7 @@ func New(cfg Config, node offload.Config, n Network, env offload.TierEnv) (*Tier
 	}
 	t := &Tier{cfg: cfg, node: node, env: env, log: log, net: n, blockBytes: env.Arena.SlotBytes(),
 		closing: make(chan struct{}), sessions: map[*session]bool{}, byNode: map[string]*session{},
-		byAddr: map[string]*session{}, st: stats{rejects: map[string]uint64{}}}
+		byAddr: map[string]*session{}, redial: map[string]*backoff{}}
 	t.self = wire.Hello{Version: wire.Version, Kind: wire.KindControl, NodeID: cfg.NodeID}
 	rand.Read(t.self.Incarnation[:])
 	if t.self.NodeID == "" {
@@ -112,14 +229,35 @@ func New(cfg Config, node offload.Config, n Network, env offload.TierEnv) (*Tier
 			return nil, err
 		}
 	default:
-		t.dp = NewTCPPlane(env.Arena, n, cfg.DataConns, t.self, log)
+		t.dp = NewTCPPlane(env.Arena, n, TCPPlaneConfig{Conns: cfg.DataConns, MaxIn: cfg.MaxDataConns,
+			IdleTimeout: time.Duration(cfg.DataIdleTimeout), Auth: t.authData}, log)
 	}
+	t.hs = &handshaker{self: peerID{t.self.NodeID, t.self.Incarnation}, token: []byte(cfg.ClusterToken),
+		connect: wire.Connect{NodeID: t.self.NodeID, Incarnation: t.self.Incarnation, Version: wire.Version,
+			BlockBytes: uint64(t.blockBytes), Fingerprint: node.Fingerprint(), HashSeed: node.HashSeed,
+			Addr: t.addr, DataPlane: t.dp.Name(), DataInfo: t.dp.LocalInfo()}}
 	t.wg.Go(t.acceptLoop)
 	for _, a := range cfg.Peers {
+		t.redial[a] = &backoff{delay: redialMin}
 		t.dial(a)
+	}
+	if cfg.ClusterToken == "" {
+		log.Warn("p2p: no cluster token: the P2P port is unauthenticated; anyone who can reach it can fetch this node's KV blocks and serve it forged ones (docs/security.md)", "addr", t.addr)
 	}
 	log.Info("p2p tier listening", "addr", t.addr, "node", t.self.NodeID)
 	return t, nil
+}
+
+// Authenticated says whether peers must hold the cluster token.
+func (t *Tier) Authenticated() bool { return t.cfg.ClusterToken != "" }
+
+// authData authenticates a data connection this node dialled to node.
+func (t *Tier) authData(c net.Conn, node string) error {
+	inc, ok := t.live.incOf(node)
+	if !ok {
+		return ErrNoPeer
+	}
+	return t.hs.dialData(c, peerID{node, inc})
 }
 
 // Addr is the address peers reach this node's P2P port at.
@@ -137,47 +275,140 @@ func (t *Tier) post(fn func()) {
 	t.env.Wake()
 }
 
+// acceptLoop accepts connections until the listener closes. Errors do
+// not stop it (S8.1): it retries with a backoff from 5 ms doubling to 1 s
+// (as net/http.Server does), counts them and logs them rate-limited.
+// Beyond max_handshakes connections still in their handshake, new ones
+// are closed at once, so goroutines and fds spent on strangers are bounded.
 func (t *Tier) acceptLoop() {
+	var delay time.Duration
 	for {
 		c, err := t.ln.Accept()
 		if err != nil {
-			return
+			select {
+			case <-t.closing:
+				return
+			default:
+			}
+			if errors.Is(err, net.ErrClosed) {
+				t.accept.mu.Lock()
+				t.accept.stopped = true
+				t.accept.mu.Unlock()
+				t.log.Error("p2p: the listener closed; no new peers are accepted", "err", err)
+				return
+			}
+			delay = min(max(2*delay, 5*time.Millisecond), time.Second)
+			t.acceptFailed(err, delay)
+			select {
+			case <-t.closing:
+				return
+			case <-time.After(delay):
+			}
+			continue
+		}
+		delay = 0
+		if t.handshakes.Add(1) > int64(t.cfg.MaxHandshakes) {
+			t.handshakes.Add(-1)
+			t.capDrops.Add(1)
+			c.Close()
+			continue
 		}
 		t.wg.Go(func() {
-			c.SetReadDeadline(time.Now().Add(time.Duration(t.cfg.HandshakeTimeout)))
-			p, err := wire.ReadFrame(c, nil, wire.MaxFrame)
-			var m wire.Msg
-			if err == nil {
-				m, err = wire.Decode(p)
-			}
-			h, ok := m.(wire.Hello)
-			if err != nil || !ok || h.Version != wire.Version {
-				t.log.Warn("p2p: dropping a connection without a valid hello", "remote", c.RemoteAddr(), "err", err)
-				c.Close()
-				return
-			}
-			c.SetReadDeadline(time.Time{})
-			if h.Kind == wire.KindData {
-				t.dp.Accept(c, h)
-				return
-			}
-			t.post(func() { t.attach(t.newSession(false, ""), c) })
+			defer t.handshakes.Add(-1)
+			t.serveConn(c)
 		})
 	}
 }
 
-// dial opens a session to addr (host:port; a DNS name resolves now).
+func (t *Tier) acceptFailed(err error, delay time.Duration) {
+	n := t.accept.errors.Add(1)
+	t.accept.mu.Lock()
+	t.accept.last, t.accept.lastAt = err.Error(), time.Now()
+	t.accept.mu.Unlock()
+	if ok, sup := t.rejectLog.allow(time.Now()); ok {
+		t.log.Warn("p2p: accept failed; retrying", "err", err, "retry_in", delay, "errors_total", n, "suppressed", sup)
+	}
+}
+
+// serveConn runs the acceptor's handshake of one connection under
+// handshake_timeout, then hands it to the session layer or the data plane.
+func (t *Tier) serveConn(c net.Conn) {
+	c.SetDeadline(time.Now().Add(time.Duration(t.cfg.HandshakeTimeout)))
+	p, err := wire.ReadFrame(c, nil, wire.MaxPreAuthFrame)
+	var m wire.Msg
+	if err == nil {
+		m, err = wire.Decode(p)
+	}
+	h, ok := m.(wire.Hello)
+	switch {
+	case err == nil && !ok:
+		err = fmt.Errorf("%w: %v before a hello", wire.ErrMalformed, m.Type())
+	case err == nil && h.Version != wire.Version:
+		wire.Write(c, nil, wire.Disconnect{Code: wire.CodeVersion, Reason: fmt.Sprintf("protocol version %d, want %d", h.Version, wire.Version)})
+		err = &rejectError{Code: wire.CodeVersion, Text: fmt.Sprintf("version %d", h.Version)}
+	}
+	if err != nil {
+		t.handshakeFailed(c, err)
+		c.Close()
+		return
+	}
+	if h.Kind == wire.KindData {
+		if err := t.hs.acceptData(c, h, t.live.has); err != nil {
+			t.handshakeFailed(c, err)
+			c.Close()
+			return
+		}
+		c.SetDeadline(time.Time{})
+		t.dp.Accept(c, h)
+		return
+	}
+	sh, err := t.hs.acceptControl(c, h)
+	if err != nil {
+		t.handshakeFailed(c, err)
+		c.Close()
+		return
+	}
+	c.SetDeadline(time.Time{})
+	t.post(func() { t.established(nil, c, sh) })
+}
+
+// handshakeFailed counts and logs (rate-limited) a handshake that failed.
+func (t *Tier) handshakeFailed(c net.Conn, err error) {
+	var re *rejectError
+	if errors.Is(err, os.ErrDeadlineExceeded) {
+		t.rejects.add(false, wire.CodeTimeout)
+	} else if errors.As(err, &re) {
+		t.rejects.add(re.byPeer, re.Code)
+	} else {
+		t.rejects.add(false, wire.CodeOther)
+	}
+	t.logReject("p2p: handshake failed", "remote", c.RemoteAddr(), "err", err)
+}
+
+// dial opens a session to addr (host:port; a DNS name resolves now). The
+// dial and the handshake together are bounded by handshake_timeout.
 func (t *Tier) dial(addr string) *session {
 	s := t.newSession(true, addr)
 	t.byAddr[addr] = s
+	if r := t.redial[addr]; r != nil {
+		r.at = time.Time{}
+	}
 	t.wg.Go(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), time.Duration(t.cfg.HandshakeTimeout))
+		deadline := time.Now().Add(time.Duration(t.cfg.HandshakeTimeout))
+		ctx, cancel := context.WithDeadline(context.Background(), deadline)
 		defer cancel()
 		c, err := t.net.Dial(ctx, addr)
+		var sh shaken
 		if err == nil {
-			_, err = wire.Write(c, nil, t.self)
-			if err != nil {
+			c.SetDeadline(deadline)
+			if sh, err = t.hs.dialControl(c); err != nil {
+				t.handshakeFailed(c, err)
 				c.Close()
+				if errors.Is(err, os.ErrDeadlineExceeded) {
+					err = fmt.Errorf("handshake timed out: %w", err)
+				}
+			} else {
+				c.SetDeadline(time.Time{})
 			}
 		}
 		t.post(func() {
@@ -185,10 +416,54 @@ func (t *Tier) dial(addr string) *session {
 				t.kill(s, fmt.Sprintf("dialling %s: %v", addr, err))
 				return
 			}
-			t.attach(s, c)
+			t.established(s, c, sh)
 		})
 	})
 	return s
+}
+
+// scheduleRedial plans the next dial of a static peer that is not
+// connected, with capped exponential backoff (S6.1).
+func (t *Tier) scheduleRedial(addr string) {
+	r := t.redial[addr]
+	if r == nil || t.closed {
+		return
+	}
+	r.at = time.Now().Add(r.delay)
+	r.delay = min(2*r.delay, redialMax)
+	t.env.Wake()
+}
+
+// redialed resets the backoff of a static peer whose dial connected.
+func (t *Tier) redialed(s *session) {
+	if s == nil || !s.dialed {
+		return
+	}
+	if r := t.redial[s.addr]; r != nil {
+		r.delay = redialMin
+	}
+}
+
+// redials dials the static peers that are due and returns the next due time.
+func (t *Tier) redials(now time.Time) time.Time {
+	var next time.Time
+	for addr, r := range t.redial {
+		if r.at.IsZero() {
+			continue
+		}
+		if o := t.byAddr[addr]; o != nil && !o.dead {
+			r.at = time.Time{} // connected the other way, or dialling already
+			continue
+		}
+		if !now.Before(r.at) {
+			t.dial(addr)
+			continue
+		}
+		if next.IsZero() || r.at.Before(next) {
+			next = r.at
+		}
+	}
+	return next
 }
 
 // Lookup implements offload.Tier for requests that name a remote KV
@@ -278,6 +553,7 @@ func (t *Tier) Serve(p offload.Parent) error {
 		t.serveLookups(s, now)
 		soonest(t.timeouts(s, now))
 	}
+	soonest(t.redials(now))
 	t.arm(next)
 	return nil
 }
@@ -308,7 +584,11 @@ func (t *Tier) OnScheduleEnd() {
 				continue
 			}
 			if cr.round == 0 {
-				cr.round = s.nextRound()
+				cr.round = t.nextRound()
+			}
+			if !cr.waiting() { // the lookup's bound starts (S6.10)
+				cr.askedAt = time.Now()
+				t.env.Wake() // and needs the timer armed
 			}
 			t.send(s, wire.Lookup{ReqID: cr.kvID, Round: cr.round, Keys: toWire(cr.unsent)})
 			cr.unsent = nil
@@ -344,7 +624,7 @@ func (t *Tier) Close() error {
 	close(t.closing)
 	t.ln.Close()
 	for s := range t.sessions {
-		t.send(s, wire.Disconnect{Reason: "shutting down"})
+		t.send(s, wire.Disconnect{Code: wire.CodeShutdown, Reason: "shutting down"})
 		t.kill(s, "")
 	}
 	if t.timer != nil {
@@ -363,14 +643,14 @@ func (t *Tier) Stats() []offload.Stat {
 			ready++
 		}
 	}
-	var rejects uint64
-	for _, n := range t.st.rejects {
-		rejects += n
-	}
 	st := []offload.Stat{
 		{Name: "kv_offload_p2p_sessions", Type: "gauge", Help: "Peer sessions that completed the handshake.", Value: float64(ready)},
 		{Name: "kv_offload_p2p_sessions_opened_total", Type: "counter", Help: "Peer sessions that completed the handshake since start.", Value: float64(t.st.sessionsOpened)},
-		{Name: "kv_offload_p2p_handshake_rejects_total", Type: "counter", Help: "Peers rejected or rejecting in the handshake.", Value: float64(rejects)},
+		{Name: "kv_offload_p2p_handshakes_in_progress", Type: "gauge", Help: "Accepted connections still in their handshake (capped by max_handshakes).", Value: float64(t.handshakes.Load())},
+		{Name: "kv_offload_p2p_handshake_cap_drops_total", Type: "counter", Help: "Connections closed unread because max_handshakes were in progress.", Value: float64(t.capDrops.Load())},
+		{Name: "kv_offload_p2p_accept_errors_total", Type: "counter", Help: "Errors of the P2P accept loop (it retries with backoff).", Value: float64(t.accept.errors.Load())},
+		{Name: "kv_offload_p2p_duplicate_connections_total", Type: "counter", Help: "Control connections to an already connected peer process; the loser of each pair retired.", Value: float64(t.st.duplicates)},
+		{Name: "kv_offload_p2p_lookup_timeouts_total", Type: "counter", Help: "Consumer lookups not answered within lookup_timeout; their keys answered Miss.", Value: float64(t.st.lookupTimeouts)},
 		{Name: "kv_offload_p2p_peer_deaths_total", Type: "counter", Help: "Sessions ended by connection loss, keep-alive timeout, protocol error or a new incarnation.", Value: float64(t.st.peerDeaths)},
 		{Name: "kv_offload_p2p_protocol_errors_total", Type: "counter", Help: "Sessions disconnected for a protocol error.", Value: float64(t.st.protocolErrors)},
 		{Name: "kv_offload_p2p_lookups_served_total", Type: "counter", Help: "Peer lookups answered.", Value: float64(t.st.lookupsServed)},
@@ -382,6 +662,15 @@ func (t *Tier) Stats() []offload.Stat {
 		{Name: "kv_offload_p2p_load_timeouts_total", Type: "counter", Help: "Loads aborted after load_timeout.", Value: float64(t.st.loadTimeouts)},
 		{Name: "kv_offload_p2p_quarantines_total", Type: "counter", Help: "Loads whose abort was not acknowledged in time; their slots stayed quarantined until the data plane proved the writer stopped.", Value: float64(t.st.quarantines)},
 		{Name: "kv_offload_p2p_pin_expiries_total", Type: "counter", Help: "Pins for peers released after pin_hold unclaimed.", Value: float64(t.st.pinExpiries)},
+	}
+	for side, by := range [2]string{"local", "peer"} {
+		for c := range wire.NumCodes {
+			if n := t.rejects[side][c].Load(); n > 0 {
+				st = append(st, offload.Stat{Name: "kv_offload_p2p_handshake_rejects_total", Type: "counter",
+					Help: "Handshakes that failed, by code and by which side refused.", Value: float64(n),
+					Labels: []string{"code", c.String(), "by", by}})
+			}
+		}
 	}
 	if dp, ok := t.dp.(interface{ counters() *dataStats }); ok {
 		tp := dp.counters()
@@ -418,20 +707,6 @@ func toWire(ks []offload.Key) []wire.Key {
 	for i, k := range ks {
 		out[i] = k
 	}
-	return out
-}
-
-// proof answers a nonce under the cluster token.
-func (t *Tier) proof(nonce [32]byte, node string) [32]byte {
-	var out [32]byte
-	if t.cfg.ClusterToken == "" {
-		return out
-	}
-	m := hmac.New(sha256.New, []byte(t.cfg.ClusterToken))
-	m.Write([]byte("kvtier-p2p-auth\x00"))
-	m.Write(nonce[:])
-	m.Write([]byte(node))
-	copy(out[:], m.Sum(nil))
 	return out
 }
 

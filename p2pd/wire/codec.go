@@ -16,6 +16,13 @@ func Append(b []byte, m Msg) []byte {
 		b = append(b, byte(m.Kind))
 		b = appendString(b, m.NodeID)
 		b = append(b, m.Incarnation[:]...)
+		b = append(b, m.Nonce[:]...)
+	case Challenge:
+		b = appendString(b, m.NodeID)
+		b = append(b, m.Incarnation[:]...)
+		b = append(b, m.Nonce[:]...)
+	case Auth:
+		b = append(b, m.Proof[:]...)
 	case Connect:
 		b = appendString(b, m.NodeID)
 		b = append(b, m.Incarnation[:]...)
@@ -27,9 +34,7 @@ func Append(b []byte, m Msg) []byte {
 		b = appendString(b, m.DataPlane)
 		b = binary.BigEndian.AppendUint32(b, uint32(len(m.DataInfo)))
 		b = append(b, m.DataInfo...)
-		b = append(b, m.Nonce[:]...)
 	case ConnectAck:
-		b = append(b, m.Proof[:]...)
 	case Lookup:
 		b = appendString(b, m.ReqID)
 		b = binary.BigEndian.AppendUint64(b, m.Round)
@@ -59,6 +64,7 @@ func Append(b []byte, m Msg) []byte {
 		b = appendString(b, m.ReqID)
 		b = binary.BigEndian.AppendUint64(b, m.Round)
 	case Disconnect:
+		b = append(b, byte(m.Code))
 		b = appendString(b, m.Reason)
 	case Ping:
 		b = binary.BigEndian.AppendUint64(b, m.Seq)
@@ -92,23 +98,39 @@ func appendKeys(b []byte, keys []Key) []byte {
 	return b
 }
 
-// ReadFrame reads one frame's payload, at most max bytes, into buf (grown
-// as needed) and returns it.
-func ReadFrame(r io.Reader, buf []byte, max int) ([]byte, error) {
+// growStep is the least a frame buffer grows by while its bytes arrive.
+const growStep = 64 << 10
+
+// ReadFrame reads one frame's payload into buf and
+// returns it; a frame over limit bytes is malformed. The buffer grows with the bytes that arrived, never to what
+// the header claims (S8.1): a peer that announces a large frame and sends
+// nothing costs at most growStep.
+func ReadFrame(r io.Reader, buf []byte, limit int) ([]byte, error) {
 	var hdr [4]byte
 	if _, err := io.ReadFull(r, hdr[:]); err != nil {
 		return nil, err
 	}
 	n := int(binary.BigEndian.Uint32(hdr[:]))
-	if n == 0 || n > max {
-		return nil, fmt.Errorf("%w: frame of %d bytes (limit %d)", ErrMalformed, n, max)
+	if n == 0 || n > limit {
+		return nil, fmt.Errorf("%w: frame of %d bytes (limit %d)", ErrMalformed, n, limit)
 	}
-	if cap(buf) < n {
-		buf = make([]byte, n)
-	}
-	buf = buf[:n]
-	if _, err := io.ReadFull(r, buf); err != nil {
-		return nil, err
+	buf = buf[:0]
+	for len(buf) < n {
+		want := n
+		if cap(buf) < n {
+			want = min(n, max(2*len(buf), growStep))
+			if cap(buf) < want {
+				buf = append(make([]byte, 0, want), buf...)
+			}
+		}
+		got, err := io.ReadFull(r, buf[len(buf):want])
+		buf = buf[:len(buf)+got]
+		if err != nil {
+			if err == io.EOF {
+				err = io.ErrUnexpectedEOF
+			}
+			return nil, err
+		}
 	}
 	return buf, nil
 }
@@ -217,7 +239,8 @@ func (d *decoder) keys() []Key {
 	return ks
 }
 
-// Decode decodes one frame payload (as ReadFrame returns it).
+// Decode decodes one frame payload (as ReadFrame returns it). A Connect's
+// DataInfo aliases p; every other field is copied.
 func Decode(p []byte) (Msg, error) {
 	if len(p) == 0 {
 		return nil, fmt.Errorf("%w: empty frame", ErrMalformed)
@@ -228,6 +251,7 @@ func Decode(p []byte) (Msg, error) {
 	case THello:
 		h := Hello{Version: d.u16(), Kind: ConnKind(d.u8()), NodeID: d.str()}
 		d.array(h.Incarnation[:])
+		d.array(h.Nonce[:])
 		if h.Kind != KindControl && h.Kind != KindData {
 			d.fail("unknown connection kind %d", h.Kind)
 		}
@@ -241,11 +265,17 @@ func Decode(p []byte) (Msg, error) {
 		if n > MaxHandshakeFrame {
 			d.fail("data-plane info of %d bytes", n)
 		}
-		c.DataInfo = append([]byte(nil), d.take(n)...)
-		d.array(c.Nonce[:])
+		c.DataInfo = d.take(n) // aliases p: a 64 MiB frame is not copied twice
 		m = c
 	case TConnectAck:
-		var a ConnectAck
+		m = ConnectAck{}
+	case TChallenge:
+		c := Challenge{NodeID: d.str()}
+		d.array(c.Incarnation[:])
+		d.array(c.Nonce[:])
+		m = c
+	case TAuth:
+		var a Auth
 		d.array(a.Proof[:])
 		m = a
 	case TLookup:
@@ -279,7 +309,11 @@ func Decode(p []byte) (Msg, error) {
 	case TAbortAck:
 		m = AbortAck{ReqID: d.str(), Round: d.u64()}
 	case TDisconnect:
-		m = Disconnect{Reason: d.str()}
+		c := Code(d.u8())
+		if c >= NumCodes {
+			c = CodeOther
+		}
+		m = Disconnect{Code: c, Reason: d.str()}
 	case TPing:
 		m = Ping{Seq: d.u64()}
 	case TPong:

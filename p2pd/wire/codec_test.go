@@ -2,8 +2,11 @@ package wire
 
 import (
 	"bytes"
+	"encoding/binary"
 	"errors"
+	"io"
 	"reflect"
+	"runtime"
 	"strings"
 	"testing"
 )
@@ -17,11 +20,13 @@ func key(b byte) Key {
 }
 
 var table = []Msg{
-	Hello{Version: Version, Kind: KindControl, NodeID: "node-a", Incarnation: [16]byte{1, 2}},
+	Hello{Version: Version, Kind: KindControl, NodeID: "node-a", Incarnation: [16]byte{1, 2}, Nonce: [32]byte{4}},
 	Hello{Version: Version, Kind: KindData, NodeID: "n", Incarnation: [16]byte{9}},
 	Connect{NodeID: "node-a", Incarnation: [16]byte{3}, Version: Version, BlockBytes: 1835008, Fingerprint: "fp",
-		HashSeed: "seed", Addr: "10.0.0.1:5710", DataPlane: "tcp", DataInfo: []byte{1, 2, 3}, Nonce: [32]byte{7}},
-	ConnectAck{Proof: [32]byte{5, 6}},
+		HashSeed: "seed", Addr: "10.0.0.1:5710", DataPlane: "tcp", DataInfo: []byte{1, 2, 3}},
+	ConnectAck{},
+	Challenge{NodeID: "b", Incarnation: [16]byte{2}, Nonce: [32]byte{3}},
+	Auth{Proof: [32]byte{5, 6}},
 	Lookup{ReqID: "r1", Round: 7, Keys: []Key{key(1), key(2)}},
 	LookupResp{ReqID: "r1", Round: 7, Keys: []Key{key(1), key(2)}, Hits: []bool{true, false}},
 	Fetch{ReqID: "r1", Round: 8, Keys: []Key{key(1)}, Slots: []uint32{42}},
@@ -29,7 +34,7 @@ var table = []Msg{
 	TransferDone{ReqID: "r1", Round: 8, OK: true},
 	AbortFetch{ReqID: "r1", Round: 8},
 	AbortAck{ReqID: "r1", Round: 8},
-	Disconnect{Reason: "bye"},
+	Disconnect{Code: CodeShutdown, Reason: "bye"},
 	Ping{Seq: 1},
 	Pong{Seq: 1},
 }
@@ -123,4 +128,44 @@ func FuzzReadFrame(f *testing.F) {
 			t.Fatalf("frame of %d bytes past the limit", len(p))
 		}
 	})
+}
+
+// stallReader hands out what it holds and then fails, like a peer that
+// announced a large frame, sent part of it and went away.
+type stallReader struct{ b []byte }
+
+func (r *stallReader) Read(p []byte) (int, error) {
+	if len(r.b) == 0 {
+		return 0, io.ErrUnexpectedEOF
+	}
+	n := copy(p, r.b)
+	r.b = r.b[n:]
+	return n, nil
+}
+
+// S8.1: a frame buffer grows with the bytes that arrived, never to what
+// the header claims.
+func TestReadFrameGrowsWithArrivals(t *testing.T) {
+	for _, arrived := range []int{0, 1000, growStep + 1, 300 << 10} {
+		hdr := binary.BigEndian.AppendUint32(nil, MaxHandshakeFrame)
+		r := &stallReader{b: append(hdr, make([]byte, arrived)...)}
+		var allocated uint64
+		var ms0, ms1 runtime.MemStats
+		runtime.ReadMemStats(&ms0)
+		_, err := ReadFrame(r, nil, MaxHandshakeFrame)
+		runtime.ReadMemStats(&ms1)
+		allocated = ms1.TotalAlloc - ms0.TotalAlloc
+		if err == nil {
+			t.Fatalf("%d bytes of a %d-byte frame: no error", arrived, MaxHandshakeFrame)
+		}
+		if limit := uint64(4*max(arrived, growStep) + 64<<10); allocated > limit {
+			t.Errorf("%d bytes arrived of a claimed %d: allocated %d bytes (limit %d)", arrived, MaxHandshakeFrame, allocated, limit)
+		}
+	}
+	// A whole frame still reads, in pieces.
+	want := bytes.Repeat([]byte{7}, 200<<10)
+	got, err := ReadFrame(bytes.NewReader(append(binary.BigEndian.AppendUint32(nil, uint32(len(want))), want...)), nil, MaxFrame)
+	if err != nil || !bytes.Equal(got, want) {
+		t.Fatalf("whole frame: err %v, equal %v", err, bytes.Equal(got, want))
+	}
 }

@@ -16,13 +16,15 @@ import (
 	"io"
 )
 
-// Version is the protocol version; peers must match exactly.
-const Version = 1
+// Version is the protocol version; peers must match exactly. Version 2
+// authenticates before anything large is read (docs/security.md).
+const Version = 2
 
 // Bounds (S8.1).
 const (
-	MaxFrame          = 16 << 20 // control frames
-	MaxHandshakeFrame = 64 << 20 // Connect, which carries data-plane info
+	MaxPreAuthFrame   = 64 << 10 // hello, challenge, auth, and a reject before them
+	MaxFrame          = 16 << 20 // control frames after the handshake
+	MaxHandshakeFrame = 64 << 20 // Connect, read only once the peer authenticated
 	MaxKeys           = 65536    // keys a message
 	MaxString         = 4096     // bytes of a string
 	KeySize           = 32
@@ -49,11 +51,13 @@ const (
 	TDisconnect
 	TPing
 	TPong
+	TChallenge
+	TAuth
 )
 
 var typeNames = map[Type]string{THello: "hello", TConnect: "connect", TConnectAck: "connect_ack", TLookup: "lookup",
 	TLookupResp: "lookup_resp", TFetch: "fetch", TTransferDone: "transfer_done", TAbortFetch: "abort_fetch",
-	TAbortAck: "abort_ack", TDisconnect: "disconnect", TPing: "ping", TPong: "pong"}
+	TAbortAck: "abort_ack", TDisconnect: "disconnect", TPing: "ping", TPong: "pong", TChallenge: "challenge", TAuth: "auth"}
 
 func (t Type) String() string {
 	if n, ok := typeNames[t]; ok {
@@ -77,16 +81,32 @@ const (
 // Msg is a message.
 type Msg interface{ Type() Type }
 
-// Hello opens every connection.
+// Hello opens every connection, from the dialler. Nonce is the dialler's
+// half of the handshake transcript.
 type Hello struct {
 	Version     uint16
 	Kind        ConnKind
 	NodeID      string
 	Incarnation [16]byte
+	Nonce       [32]byte
 }
 
-// Connect is the handshake (S6.1), sent by both sides of a control
-// connection.
+// Challenge answers a Hello, from the acceptor: its identity and its
+// half of the transcript. It proves nothing and reveals no secret.
+type Challenge struct {
+	NodeID      string
+	Incarnation [16]byte
+	Nonce       [32]byte
+}
+
+// Auth carries a proof over the handshake transcript (docs/security.md):
+// the dialler sends its proof first, the acceptor answers with its own
+// only after verifying the dialler's. Zero without a cluster token.
+type Auth struct{ Proof [32]byte }
+
+// Connect carries the session's parameters (S6.1), sent by both sides of
+// a control connection once both authenticated: the dialler first, the
+// acceptor only after it validated the dialler's.
 type Connect struct {
 	NodeID      string
 	Incarnation [16]byte
@@ -99,13 +119,11 @@ type Connect struct {
 	// DataPlane names the data plane; DataInfo is its opaque local info.
 	DataPlane string
 	DataInfo  []byte
-	// Nonce is the challenge the peer's ConnectAck must answer.
-	Nonce [32]byte
 }
 
-// ConnectAck accepts the peer's Connect; Proof is HMAC-SHA256 of the
-// peer's nonce under the cluster token (zero without a token).
-type ConnectAck struct{ Proof [32]byte }
+// ConnectAck is the dialler's acceptance of the acceptor's Connect: the
+// last handshake message.
+type ConnectAck struct{}
 
 // Lookup asks a producer which keys it can serve for a round.
 type Lookup struct {
@@ -150,8 +168,45 @@ type AbortAck struct {
 	Round uint64
 }
 
-// Disconnect says goodbye, or why the peer is rejected.
-type Disconnect struct{ Reason string }
+// Disconnect says goodbye, or why the peer is rejected: Code is one of a
+// fixed set (counted and compared), Reason free text (logged truncated,
+// never used as a key).
+type Disconnect struct {
+	Code   Code
+	Reason string
+}
+
+// Code is why a connection ends.
+type Code uint8
+
+// Disconnect codes. A peer's unknown code decodes as CodeOther.
+const (
+	CodeOther         Code = iota // none of the below
+	CodeShutdown                  // the node is shutting down
+	CodeDuplicate                 // a duplicate connection retires (S6.1): no more frames follow on it
+	CodeVersion                   // protocol version differs
+	CodeSelf                      // the peer has this node's id
+	CodeBlockSize                 // block size differs
+	CodeHashSeed                  // hash seed differs
+	CodeFingerprint               // config fingerprint differs
+	CodeDataPlane                 // data plane differs, or its info was refused
+	CodeAuth                      // an authentication proof failed
+	CodeProtocol                  // a malformed or unexpected frame
+	CodeHandlerErrors             // five handler errors in a row (S8.2)
+	CodeCapacity                  // a cap on sessions, handshakes or data connections
+	CodeTimeout                   // handshake or keep-alive timed out
+	NumCodes
+)
+
+var codeNames = [NumCodes]string{"other", "shutdown", "duplicate", "version", "self", "block_size", "hash_seed",
+	"fingerprint", "data_plane", "auth", "protocol", "handler_errors", "capacity", "timeout"}
+
+func (c Code) String() string {
+	if c < NumCodes {
+		return codeNames[c]
+	}
+	return codeNames[CodeOther]
+}
 
 // Ping and Pong check liveness while work is outstanding (S6.9).
 type (
@@ -171,6 +226,8 @@ func (AbortAck) Type() Type     { return TAbortAck }
 func (Disconnect) Type() Type   { return TDisconnect }
 func (Ping) Type() Type         { return TPing }
 func (Pong) Type() Type         { return TPong }
+func (Challenge) Type() Type    { return TChallenge }
+func (Auth) Type() Type         { return TAuth }
 
 // DataHeader precedes each block on a data connection; Len bytes of
 // block follow, then the block's CRC32C (Castagnoli) as 4 bytes, so both
