@@ -242,11 +242,11 @@ func (p *TCPPlane) RemovePeer(peer string, done func()) {
 	for _, o := range tp.out {
 		o.kill(ErrNoPeer)
 	}
-	p.mu.Unlock()
-	p.wg.Go(func() {
+	p.wg.Go(func() { // under mu, so never after Close's Wait began
 		tp.readers.Wait()
 		done()
 	})
+	p.mu.Unlock()
 }
 
 func (o *outConn) kill(err error) {
@@ -314,8 +314,8 @@ func (p *TCPPlane) dial(peer string, tp *tcpPeer) ([]*outConn, error) {
 			return nil, ErrNoPeer
 		}
 		tp.out = append(tp.out, o)
-		p.mu.Unlock()
 		p.wg.Go(func() { p.writer(o) })
+		p.mu.Unlock()
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -344,16 +344,16 @@ func (p *TCPPlane) Write(peer string, round uint64, pairs []SlotPair, done func(
 	w.left.Store(int64(len(pairs)) + 1) // +1 until every block is queued
 	p.mu.Lock()
 	tp := p.peers[peer]
-	if tp != nil {
-		p.writes[w.key] = append(p.writes[w.key], w)
-	}
-	p.mu.Unlock()
 	if tp == nil {
+		p.mu.Unlock()
 		w.left.Store(1)
 		w.finish(ErrNoPeer)
 		return
 	}
-	// Dialling may block: do it off the caller's goroutine.
+	defer p.mu.Unlock()
+	p.writes[w.key] = append(p.writes[w.key], w)
+	// Dialling may block: do it off the caller's goroutine (started under
+	// mu, so never after Close's Wait began).
 	p.wg.Go(func() {
 		out, err := p.dial(peer, tp)
 		if err != nil {
@@ -497,7 +497,7 @@ func (p *TCPPlane) Accept(c net.Conn, h wire.Hello) {
 	}
 	tp.in[c] = true
 	tp.readers.Add(1)
-	p.mu.Unlock()
+	defer p.mu.Unlock() // the goroutine starts under mu, never after Close's Wait began
 	p.wg.Go(func() {
 		defer tp.readers.Done()
 		err := p.read(h.NodeID, c)

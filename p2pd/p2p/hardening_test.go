@@ -1,0 +1,364 @@
+package p2p
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"sync"
+	"testing"
+	"testing/synctest"
+	"time"
+
+	"github.com/kvtier/kvtier/offload"
+	"github.com/kvtier/kvtier/p2pd/wire"
+)
+
+// rawDial opens a connection to n's P2P port and sends a hello.
+func rawDial(t *testing.T, mn *memNet, n *node, kind wire.ConnKind, id string, inc [16]byte, nonce [32]byte) *hsConn {
+	t.Helper()
+	c, err := mn.Dial(context.Background(), n.tier.Addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := &hsConn{c: c}
+	if err := h.write(wire.Hello{Version: wire.Version, Kind: kind, NodeID: id, Incarnation: inc, Nonce: nonce}); err != nil {
+		t.Fatal(err)
+	}
+	return h
+}
+
+// S6.1: the acceptor proves nothing before the dialler proved: a client
+// without the token gets a challenge, then a reject, never a proof.
+func TestAcceptorProvesLast(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		mn := newMemNet()
+		n := newNode(t, mn, func(c *Config) { c.ClusterToken = "s3cret" }, 4)
+		h := rawDial(t, mn, n, wire.KindControl, "mallory", [16]byte{1}, newNonce())
+		if _, err := expectMsg[wire.Challenge](h, wire.MaxPreAuthFrame); err != nil {
+			t.Fatalf("first answer: %v, want a challenge", err)
+		}
+		h.write(wire.Auth{})
+		_, err := h.read(wire.MaxPreAuthFrame)
+		var re *rejectError
+		if !errors.As(err, &re) || re.Code != wire.CodeAuth {
+			t.Fatalf("after a bad proof: %v, want a reject with code auth", err)
+		}
+		if _, err := h.read(wire.MaxPreAuthFrame); err == nil {
+			t.Fatal("the node sent more after rejecting")
+		}
+	})
+}
+
+// S6.1: a proof answers one connection only: replayed on a new connection
+// (the acceptor's nonce differs) it fails.
+func TestProofReplay(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		mn := newMemNet()
+		n := newNode(t, mn, func(c *Config) { c.ClusterToken = "s3cret" }, 4)
+		me, nonce := peerID{"bob", [16]byte{2}}, newNonce()
+		hs := &handshaker{self: me, token: []byte("s3cret")}
+		h1 := rawDial(t, mn, n, wire.KindControl, me.node, me.inc, nonce)
+		ch, err := expectMsg[wire.Challenge](h1, wire.MaxPreAuthFrame)
+		if err != nil {
+			t.Fatal(err)
+		}
+		a := peerID{ch.NodeID, ch.Incarnation}
+		recorded := hs.controlProof("dialer", me, a, nonce, ch.Nonce, nil)
+		h1.c.Close()
+		h2 := rawDial(t, mn, n, wire.KindControl, me.node, me.inc, nonce)
+		if _, err := expectMsg[wire.Challenge](h2, wire.MaxPreAuthFrame); err != nil {
+			t.Fatal(err)
+		}
+		h2.write(wire.Auth{Proof: recorded})
+		_, err = h2.read(wire.MaxPreAuthFrame)
+		var re *rejectError
+		if !errors.As(err, &re) || re.Code != wire.CodeAuth {
+			t.Fatalf("replayed proof: %v, want a reject with code auth", err)
+		}
+	})
+}
+
+// S6.1: a proof covers both nonces, both ids and incarnations, the kind,
+// the direction and the channel binding: changing any changes it.
+func TestProofBindsTranscript(t *testing.T) {
+	key := []byte("k")
+	d, a := peerID{"d", [16]byte{1}}, peerID{"a", [16]byte{2}}
+	dn, an := [32]byte{3}, [32]byte{4}
+	base := proof(key, "dialer", wire.KindControl, d, a, dn, an, nil)
+	for name, p := range map[string][32]byte{
+		"label":          proof(key, "acceptor", wire.KindControl, d, a, dn, an, nil),
+		"kind":           proof(key, "dialer", wire.KindData, d, a, dn, an, nil),
+		"swapped ids":    proof(key, "dialer", wire.KindControl, a, d, dn, an, nil),
+		"dialler id":     proof(key, "dialer", wire.KindControl, peerID{"e", d.inc}, a, dn, an, nil),
+		"acceptor inc":   proof(key, "dialer", wire.KindControl, d, peerID{a.node, [16]byte{9}}, dn, an, nil),
+		"dialler nonce":  proof(key, "dialer", wire.KindControl, d, a, [32]byte{5}, an, nil),
+		"acceptor nonce": proof(key, "dialer", wire.KindControl, d, a, dn, [32]byte{5}, nil),
+		"binding":        proof(key, "dialer", wire.KindControl, d, a, dn, an, []byte{1}),
+		"token":          proof([]byte("j"), "dialer", wire.KindControl, d, a, dn, an, nil),
+	} {
+		if p == base {
+			t.Errorf("changing the %s leaves the proof unchanged", name)
+		}
+	}
+	if sessionKey(key, d, a) == nil || string(sessionKey(key, d, a)) != string(sessionKey(key, a, d)) {
+		t.Error("the session key differs between the two sides")
+	}
+}
+
+// S7.1: a data connection that cannot prove the session key is closed
+// before anything is read from it, and counted; one from a process the
+// node has no session with is refused at once. Only the real peer's
+// connection is served.
+func TestDataConnectionAuthentication(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		mn := newMemNet()
+		cons := newNode(t, mn, func(c *Config) { c.ClusterToken = "s3cret" }, 16)
+		f := newFake(t, "fake", "s3cret")
+		c, _ := mn.Dial(context.Background(), cons.tier.Addr())
+		f.c = c
+		if _, err := f.shaker().dialControl(c); err != nil {
+			t.Fatal(err)
+		}
+		f.serve()
+		synctest.Wait()
+		self := peerID{cons.tier.self.NodeID, cons.tier.self.Incarnation}
+		for name, tc := range map[string]struct {
+			token string
+			inc   [16]byte
+		}{
+			"no token":        {token: "", inc: f.inc},
+			"wrong token":     {token: "guess", inc: f.inc},
+			"unknown process": {token: "s3cret", inc: [16]byte{0xff}},
+		} {
+			before := stat(cons, "kv_offload_p2p_handshake_rejects_total")
+			spoof := &handshaker{self: peerID{"fake", tc.inc}, token: []byte(tc.token)}
+			dc, _ := mn.Dial(context.Background(), cons.tier.Addr())
+			err := spoof.dialData(dc, self)
+			var re *rejectError
+			if !errors.As(err, &re) || re.Code != wire.CodeAuth {
+				t.Errorf("%s: data handshake %v, want a reject with code auth", name, err)
+			}
+			dc.Close()
+			synctest.Wait()
+			if v := stat(cons, "kv_offload_p2p_handshake_rejects_total"); v != before+1 {
+				t.Errorf("%s: rejects %v, want %v", name, v, before+1)
+			}
+		}
+		dc, _ := mn.Dial(context.Background(), cons.tier.Addr())
+		if err := f.shaker().dialData(dc, self); err != nil {
+			t.Errorf("the real peer's data connection: %v", err)
+		}
+		dc.Close()
+		if cons.m.Metrics().CPU.Used != 0 {
+			t.Error("a slot was written")
+		}
+	})
+}
+
+// S8.1: frames before authentication are at most 64 KiB: a hello that
+// claims more is a protocol error, and nothing of it is allocated.
+func TestPreAuthFrameLimit(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		mn := newMemNet()
+		n := newNode(t, mn, nil, 4)
+		c, _ := mn.Dial(context.Background(), n.tier.Addr())
+		go c.Write([]byte{0, 2, 0, 0}) // a 128 KiB frame announced
+		var b [1]byte
+		c.SetReadDeadline(time.Now().Add(time.Minute))
+		if _, err := c.Read(b[:]); err == nil {
+			t.Fatal("the node answered an oversized hello")
+		}
+		synctest.Wait()
+		if v := stat(n, "kv_offload_p2p_handshake_rejects_total"); v != 1 {
+			t.Errorf("rejects %v, want 1", v)
+		}
+	})
+}
+
+// S8.1: beyond max_handshakes connections in their handshake, new ones are
+// closed unread; the stalled ones go at handshake_timeout, and a real peer
+// connects afterwards.
+func TestHandshakeCap(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		mn := newMemNet()
+		n := newNode(t, mn, func(c *Config) { c.MaxHandshakes = 2 }, 4)
+		var stalled []net.Conn
+		for range 5 {
+			c, err := mn.Dial(context.Background(), n.tier.Addr())
+			if err != nil {
+				t.Fatal(err)
+			}
+			stalled = append(stalled, c)
+		}
+		synctest.Wait()
+		if v := stat(n, "kv_offload_p2p_handshakes_in_progress"); v != 2 {
+			t.Errorf("handshakes in progress %v, want 2", v)
+		}
+		if v := stat(n, "kv_offload_p2p_handshake_cap_drops_total"); v != 3 {
+			t.Errorf("cap drops %v, want 3", v)
+		}
+		time.Sleep(time.Duration(DefaultConfig().HandshakeTimeout) + time.Second)
+		synctest.Wait()
+		if v := stat(n, "kv_offload_p2p_handshakes_in_progress"); v != 0 {
+			t.Errorf("handshakes in progress after the timeout %v, want 0", v)
+		}
+		connectFake(t, mn, n, "fake")
+		synctest.Wait()
+		if ps := n.tier.Peers(); len(ps) != 1 || !ps[0].Ready {
+			t.Errorf("peers %+v, want the fake, ready", ps)
+		}
+		for _, c := range stalled {
+			c.Close()
+		}
+	})
+}
+
+// failingNet's listener fails its first Accepts, like a process out of fds.
+type failingNet struct {
+	*memNet
+	fails int
+}
+
+type failingListener struct {
+	net.Listener
+	mu    sync.Mutex
+	fails int
+}
+
+func (n failingNet) Listen(addr string) (net.Listener, error) {
+	l, err := n.memNet.Listen(addr)
+	return &failingListener{Listener: l, fails: n.fails}, err
+}
+
+func (l *failingListener) Accept() (net.Conn, error) {
+	l.mu.Lock()
+	fail := l.fails > 0
+	l.fails--
+	l.mu.Unlock()
+	if fail {
+		return nil, errors.New("accept: too many open files")
+	}
+	return l.Listener.Accept()
+}
+
+// S8.1: accept errors do not stop the accept loop: they are retried with
+// backoff and counted, and the next peer is served.
+func TestAcceptErrorsRetried(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		mn := newMemNet()
+		n := newNode(t, failingNet{mn, 3}, nil, 4)
+		connectFake(t, mn, n, "fake")
+		synctest.Wait()
+		if v := stat(n, "kv_offload_p2p_accept_errors_total"); v != 3 {
+			t.Errorf("accept errors %v, want 3", v)
+		}
+		if ps := n.tier.Peers(); len(ps) != 1 || !ps[0].Ready {
+			t.Errorf("peers %+v, want the fake, ready", ps)
+		}
+	})
+}
+
+// S6.10: a producer that answers pings but never a lookup: after
+// lookup_timeout the lookups answer Miss, counted; the peer lives on.
+func TestLookupTimeout(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		mn := newMemNet()
+		keys := testKeys(1, 2)
+		cons, req, f, _ := consumerSetup(t, mn, keys)
+		dc := DefaultConfig()
+		time.Sleep(dc.lookupTimeout() - time.Second)
+		synctest.Wait()
+		if got := step(cons, req, keys[:1]); got[0] != offload.Retry {
+			t.Fatalf("before lookup_timeout: %v, want retry", got)
+		}
+		time.Sleep(2 * time.Second)
+		synctest.Wait()
+		if got := step(cons, req, keys[:1]); got[0] != offload.Miss {
+			t.Fatalf("after lookup_timeout: %v, want miss", got)
+		}
+		if v := stat(cons, "kv_offload_p2p_lookup_timeouts_total"); v != 1 {
+			t.Errorf("lookup timeouts %v, want 1", v)
+		}
+		if v := stat(cons, "kv_offload_p2p_peer_deaths_total"); v != 0 {
+			t.Errorf("peer deaths %v, want 0", v)
+		}
+		if f.Pings() == 0 {
+			t.Error("no keep-alive while the lookup was outstanding")
+		}
+		cons.m.Do(func(s *offload.Step) { s.OnRequestFinished(req) })
+	})
+}
+
+// S6.1: a static peer that is not listening yet is dialled again with
+// backoff until it connects.
+func TestStaticPeerRedial(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		mn := newMemNet()
+		a := newNode(t, mn, func(c *Config) { c.Peers = []string{"late:1"} }, 4)
+		synctest.Wait()
+		time.Sleep(5 * time.Second) // several failed dials
+		l, _ := mn.Listen("late:1")
+		acceptFake(t, l, "late")
+		synctest.Wait()
+		if ps := a.tier.Peers(); len(ps) != 1 || !ps[0].Ready || ps[0].Node != "late" {
+			t.Errorf("peers %+v, want late, ready", ps)
+		}
+	})
+}
+
+// S8.5: cancelled rounds are remembered at most maxDead.
+func TestDeadRoundsBounded(t *testing.T) {
+	p := NewTCPPlane(nil, nil, TCPPlaneConfig{Conns: 1}, nil)
+	for r := range uint64(3 * maxDead) {
+		p.Unexpect("peer", r, func() {})
+	}
+	if len(p.dead) != maxDead || len(p.deadFIFO) != maxDead {
+		t.Errorf("dead rounds %d (fifo %d), want %d", len(p.dead), len(p.deadFIFO), maxDead)
+	}
+	if !p.dead[roundKey{"peer", 3*maxDead - 1}] || p.dead[roundKey{"peer", 0}] {
+		t.Error("the newest dead round is forgotten or the oldest kept")
+	}
+}
+
+// S6.1: two nodes that fetch from each other for the first time dial each
+// other at once; the duplicate connection retires without losing work:
+// every request gets all its hits, none recomputes, no peer death.
+func TestDuplicateDialsKeepWork(t *testing.T) {
+	const pairs = 12
+	for i := range pairs {
+		t.Run(fmt.Sprint(i), func(t *testing.T) {
+			a := newNode(t, nil, func(c *Config) { c.NodeID = fmt.Sprintf("a%02d", i) }, 32)
+			b := newNode(t, nil, func(c *Config) { c.NodeID = fmt.Sprintf("b%02d", 20-i) }, 32)
+			ka, kb := testKeys(2*i+1, 3), testKeys(2*i+2, 3)
+			a.store(t, ka)
+			b.store(t, kb)
+			ra := &offload.Request{ID: "ra", TransferParams: source("kv-a", b.tier.Addr())}
+			rb := &offload.Request{ID: "rb", TransferParams: source("kv-b", a.tier.Addr())}
+			var wg sync.WaitGroup
+			results := make([][]offload.Result, 2)
+			for j, x := range []struct {
+				n    *node
+				r    *offload.Request
+				keys []offload.Key
+			}{{a, ra, kb}, {b, rb, ka}} {
+				wg.Go(func() {
+					x.n.m.Do(func(s *offload.Step) { s.OnNewRequest(x.r) })
+					results[j] = x.n.prefix(t, x.r, x.keys, realWait(x.n.m))
+					x.n.m.Do(func(s *offload.Step) { s.OnRequestFinished(x.r) })
+				})
+			}
+			wg.Wait()
+			for j, got := range results {
+				if fmt.Sprint(got) != fmt.Sprint([]offload.Result{offload.Hit, offload.Hit, offload.Hit}) {
+					t.Errorf("node %d: answers %v, want three hits", j, got)
+				}
+			}
+			for _, n := range []*node{a, b} {
+				if v := stat(n, "kv_offload_p2p_peer_deaths_total"); v != 0 {
+					t.Errorf("%s: %v peer deaths", n.tier.NodeID(), v)
+				}
+			}
+		})
+	}
+}
