@@ -350,8 +350,8 @@ func TestPeerPinKeepsEngineIdle(t *testing.T) {
 				peer.Release(job.ID, true) // the fetch completed
 				synctest.Wait()
 				if poll > 0 {
-					if p := h.m.Audit(0); len(p) != 0 || h.m.Metrics().Tiers[1].ActiveCascades != 0 {
-						t.Errorf("without a step: pins %v, active jobs %d; want none", p, h.m.Metrics().Tiers[1].ActiveCascades)
+					if p, tm := h.m.Audit(0), h.m.Metrics().Tiers[1]; len(p) != 0 || tm.ActiveLeases+tm.ActiveCascades != 0 {
+						t.Errorf("without a step: pins %v, active leases %d, cascades %d; want none", p, tm.ActiveLeases, tm.ActiveCascades)
 					}
 				}
 			})
