@@ -364,10 +364,11 @@ func (c *CPUTier) freeDetached(k Key, d *cpuEntry) {
 	c.free = append(c.free, d.slot)
 }
 
-// Reset empties the tier (a cache reset, S5.1): every block is removed;
-// it reports no removal, the manager reports the reset (EventCleared). Blocks that a writer or a reader still holds
-// become detached: invisible to lookups, their slots kept from reuse until
-// the holder completes, unpins or is released.
+// Reset empties the tier (a cache reset, S5.1): every block is removed,
+// with no removal event (the manager reports the reset as EventCleared).
+// Blocks that a writer or a reader still holds become detached: invisible
+// to lookups, their slots kept from reuse until the holder completes,
+// unpins or is released.
 func (c *CPUTier) Reset() {
 	for k, e := range c.entries {
 		c.policy.Remove(k)
