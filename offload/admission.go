@@ -2,6 +2,7 @@ package offload
 
 import (
 	"fmt"
+	"math"
 	"time"
 )
 
@@ -36,7 +37,12 @@ func (Always) Stats(int) (AdmissionStats, bool) { return AdmissionStats{}, false
 
 // Backpressure drops cascades to a tier whose store latency (an EMA of
 // seconds per MiB) rose above its high-water mark, until it falls below the
-// low-water mark. Promotions are always admitted.
+// low-water mark. Promotions and leases are always admitted, and only
+// cascades feed the estimate. The estimate decays with time: it halves for
+// every DecayHalfLife without a sample and never exceeds EstimateCap times
+// the high-water mark, so a pressured tier that gets no stores (it is
+// refused them) is admitted again within log2(EstimateCap·high/low) half
+// lives, and pressure never lasts for good (S2.7).
 type Backpressure struct {
 	detectors []*detector
 }
@@ -49,6 +55,19 @@ const (
 	NetworkLowWater  = 0.005
 )
 
+// The decay of the backpressure estimate (S2.7): with the default marks a
+// pressured tier without new samples recovers within
+// log2(10 × 0.005 / 0.001) ≈ 5.6 s (local) or log2(10 × 0.020 / 0.005)
+// ≈ 5.3 s (network).
+const (
+	// DecayHalfLife is the time in which the estimate halves without a
+	// sample.
+	DecayHalfLife = time.Second
+	// EstimateCap bounds a sample, and so the estimate, to this many times
+	// the tier's high-water mark.
+	EstimateCap = 10
+)
+
 const (
 	emaAlpha  = 0.3
 	emaWarmup = 3
@@ -57,6 +76,7 @@ const (
 type detector struct {
 	high, low float64
 	ema       float64
+	at        time.Time // when ema was last brought up to date
 	samples   []float64 // during warm-up
 	pressured bool
 	dropped   [2]uint64 // stores, blocks
@@ -90,6 +110,7 @@ func (b *Backpressure) Admit(tier, n int, promotion bool) bool {
 		return true
 	}
 	d := b.detectors[tier]
+	d.decay(time.Now())
 	if d.pressured {
 		d.dropped[0]++
 		d.dropped[1] += uint64(n)
@@ -99,7 +120,7 @@ func (b *Backpressure) Admit(tier, n int, promotion bool) bool {
 }
 
 func (b *Backpressure) Completed(job *Job, res JobResult, blockBytes int) {
-	if job.Promotion || !res.OK || job.Tier >= len(b.detectors) {
+	if job.Promotion || job.Lease || !res.OK || job.Tier >= len(b.detectors) {
 		return
 	}
 	bytes := res.Bytes
@@ -113,10 +134,27 @@ func (b *Backpressure) Completed(job *Job, res JobResult, blockBytes int) {
 	if bytes <= 0 {
 		return
 	}
-	b.detectors[job.Tier].observe(elapsed.Seconds() / (float64(bytes) / (1 << 20)))
+	b.detectors[job.Tier].observe(elapsed.Seconds()/(float64(bytes)/(1<<20)), time.Now())
 }
 
-func (d *detector) observe(sample float64) {
+// decay brings the estimate to now: it halves for every DecayHalfLife
+// since it was last updated, and pressure ends once it is below the
+// low-water mark.
+func (d *detector) decay(now time.Time) {
+	if d.at.IsZero() {
+		return // warming up
+	}
+	if dt := now.Sub(d.at); dt > 0 {
+		d.ema *= math.Exp2(-dt.Seconds() / DecayHalfLife.Seconds())
+		d.at = now
+	}
+	if d.ema < d.low {
+		d.pressured = false
+	}
+}
+
+func (d *detector) observe(sample float64, now time.Time) {
+	sample = min(sample, EstimateCap*d.high)
 	if len(d.samples) < emaWarmup {
 		d.samples = append(d.samples, sample)
 		if len(d.samples) == emaWarmup {
@@ -124,9 +162,11 @@ func (d *detector) observe(sample float64) {
 				d.ema += s
 			}
 			d.ema /= emaWarmup
+			d.at = now
 		}
 		return
 	}
+	d.decay(now)
 	d.ema = emaAlpha*sample + (1-emaAlpha)*d.ema
 	switch {
 	case d.ema > d.high:
@@ -148,5 +188,6 @@ func (b *Backpressure) Stats(tier int) (AdmissionStats, bool) {
 		return AdmissionStats{}, false
 	}
 	d := b.detectors[tier]
+	d.decay(time.Now())
 	return AdmissionStats{EMA: d.ema, Pressured: d.pressured, DroppedStores: d.dropped[0], DroppedBlocks: d.dropped[1]}, true
 }

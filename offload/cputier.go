@@ -51,13 +51,6 @@ func (o Owner) String() string {
 	return fmt.Sprintf("job %d", o.Job)
 }
 
-// Event reports keys that a tier stored or removed (S2.8).
-type Event struct {
-	Tier    string
-	Keys    []Key
-	Removed bool
-}
-
 // PinInfo is one line of a pin audit (S1.3).
 type PinInfo struct {
 	Key   Key
@@ -98,7 +91,8 @@ type CPUTier struct {
 	detached  map[Key][]*cpuEntry
 	ndetached int
 	free      []int32 // freed slots, reused last in first out
-	events    []Event
+	// emit reports stored and removed keys (S2.8); nil reports nothing.
+	emit func(Event)
 
 	writing, pinned int
 	evictions       uint64
@@ -183,7 +177,7 @@ func (c *CPUTier) Reserve(keys []Key, writer Owner) (added []Key, slots []int32,
 			c.release(k)
 		}
 		c.evictions += uint64(len(evicted))
-		c.events = append(c.events, Event{Tier: "cpu", Keys: evicted, Removed: true})
+		c.report(EventRemoved, evicted)
 	}
 	now := time.Now()
 	slots = make([]int32, len(added))
@@ -241,7 +235,7 @@ func (c *CPUTier) Commit(keys []Key, writer Owner, ok bool) (done []Key, took ti
 		}
 	}
 	if ok && len(done) > 0 {
-		c.events = append(c.events, Event{Tier: "cpu", Keys: done})
+		c.report(EventStored, done)
 	}
 	return done, took
 }
@@ -370,14 +364,13 @@ func (c *CPUTier) freeDetached(k Key, d *cpuEntry) {
 	c.free = append(c.free, d.slot)
 }
 
-// Reset empties the tier (a cache reset, S5.1): every block is removed
-// with one removal event. Blocks that a writer or a reader still holds
-// become detached: invisible to lookups, their slots kept from reuse until
-// the holder completes, unpins or is released.
+// Reset empties the tier (a cache reset, S5.1): every block is removed,
+// with no removal event (the manager reports the reset as EventCleared).
+// Blocks that a writer or a reader still holds become detached: invisible
+// to lookups, their slots kept from reuse until the holder completes,
+// unpins or is released.
 func (c *CPUTier) Reset() {
-	var removed []Key
 	for k, e := range c.entries {
-		removed = append(removed, k)
 		c.policy.Remove(k)
 		if e.writing || len(e.pins) > 0 {
 			if c.detached == nil {
@@ -391,9 +384,6 @@ func (c *CPUTier) Reset() {
 	}
 	clear(c.entries)
 	c.writing, c.pinned = 0, 0
-	if len(removed) > 0 {
-		c.events = append(c.events, Event{Tier: "cpu", Keys: removed, Removed: true})
-	}
 }
 
 // Touch marks keys as recently used, the first key most recently.
@@ -431,11 +421,10 @@ func (c *CPUTier) Audit(olderThan time.Duration) []PinInfo {
 	return out
 }
 
-// TakeEvents returns and forgets the stored and removed events so far.
-func (c *CPUTier) TakeEvents() []Event {
-	ev := c.events
-	c.events = nil
-	return ev
+func (c *CPUTier) report(kind EventKind, keys []Key) {
+	if c.emit != nil {
+		c.emit(Event{Kind: kind, Keys: keys})
+	}
 }
 
 // CPUStats is a snapshot of the CPU tier's occupancy.

@@ -93,6 +93,7 @@ type Disk struct {
 	capacity   int64
 	arena      *Arena
 	wake       func()
+	emit       func(Event) // nil until start-up is done
 	log        *slog.Logger
 	tmpSeq     atomic.Uint64
 	workers    sync.WaitGroup
@@ -107,7 +108,6 @@ type Disk struct {
 		queue   []diskTask
 		jobs    map[uint64]*diskJob
 		done    []JobResult
-		events  []Event
 		used    int64
 		st      diskStats
 	}
@@ -178,8 +178,8 @@ func OpenDisk(cfg DiskConfig, env TierEnv) (*Disk, error) {
 			ErrConfig, d.capacity, d.fileBytes, d.dir)
 	}
 	d.mu.Lock()
-	d.evictLocked()
-	d.mu.events = nil // what start-up evicted was never reported stored
+	d.evictLocked() // reports nothing: what start-up evicts was never reported stored
+	d.emit = env.Emit
 	d.mu.Unlock()
 	log.Info("disk tier open", "dir", d.dir, "blocks", len(d.mu.index), "capacity_bytes", d.capacity)
 	for range cfg.DiskWorkers {
@@ -327,14 +327,11 @@ func (d *Disk) Pending() bool {
 	return len(d.mu.jobs) > 0 || len(d.mu.done) > 0
 }
 
-// TakeEvents implements EventSource: blocks stored on and removed from
-// disk.
-func (d *Disk) TakeEvents() []Event {
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	ev := d.mu.events
-	d.mu.events = nil
-	return ev
+// reportLocked reports that k was stored on or removed from disk (S2.8).
+func (d *Disk) reportLocked(kind EventKind, k Key) {
+	if d.emit != nil {
+		d.emit(Event{Kind: kind, Keys: []Key{k}})
+	}
 }
 
 // Close lets the workers finish the queued I/O and stops them.
@@ -468,7 +465,7 @@ func (d *Disk) writeDoneLocked(dj *diskJob, k Key, err error, took time.Duration
 	if _, ok := d.mu.index[k]; !ok {
 		d.mu.index[k] = &diskEntry{elem: d.mu.lru.PushBack(k)}
 		d.mu.used += d.fileBytes
-		d.mu.events = append(d.mu.events, Event{Tier: "disk", Keys: []Key{k}})
+		d.reportLocked(EventStored, k)
 	}
 	d.evictLocked()
 }
@@ -510,7 +507,7 @@ func (d *Disk) removeLocked(k Key) {
 	if err := os.Remove(d.path(k)); err != nil && !errors.Is(err, fs.ErrNotExist) {
 		d.log.Warn("disk tier: removing a block file", "key", k, "err", err)
 	}
-	d.mu.events = append(d.mu.events, Event{Tier: "disk", Keys: []Key{k}, Removed: true})
+	d.reportLocked(EventRemoved, k)
 }
 
 // evictLocked removes least recently used blocks not being read until the
@@ -550,7 +547,6 @@ func (d *Disk) Stats() []Stat {
 var (
 	_ Tier          = (*Disk)(nil)
 	_ Pender        = (*Disk)(nil)
-	_ EventSource   = (*Disk)(nil)
 	_ StatsReporter = (*Disk)(nil)
 	_ io.Closer     = (*Disk)(nil)
 )

@@ -205,6 +205,8 @@ func TestDiskEviction(t *testing.T) {
 	dir := t.TempDir()
 	keys := testKeys(5)
 	m := diskManager(t, dir, 8, 3)
+	sub := m.Subscribe(0)
+	defer sub.Close()
 	for _, k := range keys {
 		storeBlocks(t, m, []Key{k})
 	}
@@ -212,7 +214,7 @@ func TestDiskEviction(t *testing.T) {
 		t.Errorf("evictions %v, want 2", n)
 	}
 	var removed []Key
-	for _, e := range m.TakeEvents() {
+	for _, e := range sub.Take() {
 		if e.Tier == "disk" && e.Removed {
 			removed = append(removed, e.Keys...)
 		}

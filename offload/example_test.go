@@ -1,6 +1,7 @@
 package offload_test
 
 import (
+	"context"
 	"fmt"
 	"strings"
 
@@ -51,4 +52,37 @@ func Example() {
 	// first lookup: miss
 	// second lookup: hit
 	// loaded: KV bytes from the GPU
+}
+
+// A subscriber reads the manager's events: stored and removed blocks per
+// tier, and one "cleared" per cache reset.
+func ExampleManager_Subscribe() {
+	cfg := offload.DefaultConfig()
+	cfg.Geometry = offload.Geometries["tiny"]
+	cfg.CPUBytes = 64 * int64(cfg.Geometry.BlockBytes())
+	m, err := offload.New(cfg)
+	if err != nil {
+		panic(err)
+	}
+	defer m.Close()
+	sub := m.Subscribe(1024)
+	defer sub.Close()
+
+	keys := offload.BlockKeys(cfg.HashSeed, cfg.Geometry.BlockTokens, make([]uint32, 32))
+	req := &offload.Request{ID: "r"}
+	m.Do(func(s *offload.Step) {
+		s.OnNewRequest(req)
+		plan, _ := s.PrepareStore(keys, req)
+		s.CompleteStore(plan.Keys, req, true)
+		s.OnRequestFinished(req)
+	})
+	m.ResetCache(context.Background())
+
+	ev, _ := sub.Next(context.Background()) // blocks until something happened
+	for _, e := range ev {
+		fmt.Println(e.Seq, e.Kind, e.Tier, len(e.Keys), e.Epoch)
+	}
+	// Output:
+	// 1 stored cpu 2 0
+	// 2 cleared cpu 0 1
 }

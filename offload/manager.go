@@ -28,6 +28,7 @@ type Manager struct {
 	stop         chan struct{} // closed by Close
 	pollDone     chan struct{} // closed when the poll goroutine returned
 	pollAlive    atomic.Bool
+	events       eventHub // S2.8; its own lock, taken after mu
 
 	mu struct {
 		sync.Mutex
@@ -114,13 +115,15 @@ func New(cfg Config, specs ...TierSpec) (*Manager, error) {
 		log.Info("CPU arena without transparent huge pages", "err", arena.HugePagesErr)
 	}
 	m.mu.cpu = NewCPUTier(arena, policy)
+	m.mu.cpu.emit = m.emitter("cpu")
 	m.mu.jobs = make(map[uint64]*Job)
 	m.mu.reqs = make(map[string]*reqState)
 	m.mu.counters = newCounters(len(specs))
 	polling := m.pollInterval > 0 && slices.ContainsFunc(specs, func(s TierSpec) bool { return s.Polled })
 	m.pollAlive.Store(polling)
 	for i, s := range specs {
-		t, err := s.New(TierEnv{Index: i, Wake: m.wakeFor(i), Progress: m.signalProgress, Arena: arena, Logger: log.With("tier", s.Name)})
+		t, err := s.New(TierEnv{Index: i, Wake: m.wakeFor(i), Progress: m.signalProgress, Emit: m.emitter(s.Name),
+			Arena: arena, Logger: log.With("tier", s.Name)})
 		if err != nil {
 			err = fmt.Errorf("offload: creating tier %d (%s): %w", i, s.Name, err)
 			m.mu.closed = true
@@ -539,14 +542,20 @@ func (m *Manager) createStoreJobLocked(keys []Key, req *Request, tier int) (*Job
 	if len(keys) == 0 || m.mu.resetting || !m.mu.admission.Admit(tier, len(keys), false) {
 		return nil, nil
 	}
+	return m.pinJobLocked("create store job", keys, req, tier, false)
+}
+
+// pinJobLocked pins keys, which must be ready, for a cascade or a lease of
+// tier and registers the job.
+func (m *Manager) pinJobLocked(op string, keys []Key, req *Request, tier int, lease bool) (*Job, error) {
 	id := m.mu.nextJob
 	slots, err := m.mu.cpu.Pin(keys, JobOwner(id), false)
 	if err != nil {
-		m.misuseLocked("create store job", "not_ready", err)
-		return nil, fmt.Errorf("create store job for tier %d: %w", tier, err)
+		m.misuseLocked(op, "not_ready", err)
+		return nil, fmt.Errorf("%s for tier %d: %w", op, tier, err)
 	}
 	m.mu.nextJob++
-	j := &Job{ID: id, Tier: tier, Epoch: m.mu.epoch, Keys: slices.Clone(keys), Slots: slots, Req: req, Submitted: time.Now()}
+	j := &Job{ID: id, Tier: tier, Epoch: m.mu.epoch, Lease: lease, Keys: slices.Clone(keys), Slots: slots, Req: req, Submitted: time.Now()}
 	m.mu.jobs[id] = j
 	return j, nil
 }
@@ -755,13 +764,21 @@ func (m *Manager) applyResultLocked(tier int, r JobResult) {
 		return
 	}
 	delete(m.mu.jobs, r.ID)
+	owner := JobOwner(j.ID)
+	if j.Lease {
+		// S2.7, S6.5: a lease ends when the peer fetched (or gave up); how
+		// long that took says nothing about the tier's store latency.
+		if _, err := m.mu.cpu.Unpin(j.Keys, owner); err != nil {
+			m.misuseLocked("lease result", "not_pinned", err)
+		}
+		return
+	}
 	m.mu.admission.Completed(j, r, m.blockBytes)
 	took := r.Duration
 	if took <= 0 {
 		took = time.Since(j.Submitted)
 	}
 	c := &m.mu.counters
-	owner := JobOwner(j.ID)
 	if !j.Promotion {
 		if _, err := m.mu.cpu.Unpin(j.Keys, owner); err != nil {
 			m.misuseLocked("cascade result", "not_pinned", err)
@@ -848,20 +865,6 @@ func (m *Manager) HasPendingWork() bool {
 	return unpolled && len(m.mu.tiers) > 1
 }
 
-// TakeEvents returns the stored and removed events since the last call:
-// the CPU tier's, then each tier's in order (S2.8).
-func (m *Manager) TakeEvents() []Event {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	ev := m.mu.cpu.TakeEvents()
-	for _, t := range m.mu.tiers {
-		if src, ok := t.(EventSource); ok {
-			ev = append(ev, src.TakeEvents()...)
-		}
-	}
-	return ev
-}
-
 // Audit lists the CPU tier's pins held longer than olderThan (S1.3).
 func (m *Manager) Audit(olderThan time.Duration) []PinInfo {
 	m.mu.Lock()
@@ -889,6 +892,7 @@ func (m *Manager) Close() error {
 	if m.pollDone != nil {
 		<-m.pollDone
 	}
+	m.closeEvents()
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	return m.closeLocked()
@@ -930,8 +934,13 @@ func (p *parent) Lookup(k Key, req *Request) Result {
 	return p.m.lookupLocked(k, req, p.tier)
 }
 
-func (p *parent) CreateStoreJob(keys []Key, req *Request) (*Job, error) {
-	j, err := p.m.createStoreJobLocked(keys, req, p.tier)
+// Lease implements Parent: pins for an outside request, never refused by
+// admission (S6.5).
+func (p *parent) Lease(keys []Key, req *Request) (*Job, error) {
+	if len(keys) == 0 || p.m.mu.resetting {
+		return nil, nil
+	}
+	j, err := p.m.pinJobLocked("lease", keys, req, p.tier, true)
 	if j != nil {
 		p.m.submitted(p.tier)
 	}

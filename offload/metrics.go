@@ -104,11 +104,13 @@ type TierMetrics struct {
 	WriteBytes   uint64            `json:"write_bytes"`
 	WriteSeconds float64           `json:"write_seconds"`
 	// Secondary tiers only.
-	PromotionFailures uint64          `json:"promotion_failures"`
-	CascadeFailures   uint64          `json:"cascade_failures"`
-	ActivePromotions  int             `json:"active_promotions"`
-	ActiveCascades    int             `json:"active_cascades"`
-	Backpressure      *AdmissionStats `json:"backpressure,omitempty"`
+	PromotionFailures uint64 `json:"promotion_failures"`
+	CascadeFailures   uint64 `json:"cascade_failures"`
+	ActivePromotions  int    `json:"active_promotions"`
+	ActiveCascades    int    `json:"active_cascades"`
+	// ActiveLeases counts the pins the tier holds for peers (S6.5).
+	ActiveLeases int             `json:"active_leases"`
+	Backpressure *AdmissionStats `json:"backpressure,omitempty"`
 	// Stats are the tier's own metrics (StatsReporter).
 	Stats []Stat `json:"stats,omitempty"`
 }
@@ -152,9 +154,12 @@ func (m *Manager) Metrics() Metrics {
 		out.Tiers = append(out.Tiers, t)
 	}
 	for _, j := range m.mu.jobs {
-		if j.Promotion {
+		switch {
+		case j.Promotion:
 			out.Tiers[j.Tier+1].ActivePromotions++
-		} else {
+		case j.Lease:
+			out.Tiers[j.Tier+1].ActiveLeases++
+		default:
 			out.Tiers[j.Tier+1].ActiveCascades++
 		}
 	}
@@ -202,10 +207,11 @@ func (s Metrics) WritePrometheus(w io.Writer) error {
 		p.sample(float64(t.PromotionFailures), "tier", t.Name, "kind", "promotion")
 		p.sample(float64(t.CascadeFailures), "tier", t.Name, "kind", "cascade")
 	}
-	p.family("kv_offload_tiering_active_jobs", "gauge", "Promotion and cascade jobs in flight by secondary tier.")
+	p.family("kv_offload_tiering_active_jobs", "gauge", "Promotion and cascade jobs and leases for peers in flight by secondary tier.")
 	for _, t := range secondary {
 		p.sample(float64(t.ActivePromotions), "tier", t.Name, "kind", "promotion")
 		p.sample(float64(t.ActiveCascades), "tier", t.Name, "kind", "cascade")
+		p.sample(float64(t.ActiveLeases), "tier", t.Name, "kind", "lease")
 	}
 	p.family("kv_offload_tiering_promotion_allocation_failures_total", "counter", "Secondary hits not promoted because no CPU slot could be freed.")
 	p.sample(float64(s.PromotionAllocFailures))

@@ -22,7 +22,7 @@ const resetWarnAfter = 5 * time.Second
 //     have ended. They complete normally (the poll goroutine or steps apply
 //     them; this wait applies them too); none is aborted. It warns after
 //     5 s and keeps waiting until ctx ends.
-//  3. Under the lock it empties the CPU tier (a removal event), queued
+//  3. Under the lock it empties the CPU tier (one EventCleared), queued
 //     promotions, parked cascades and HitPending deadlines, bumps the cache
 //     epoch and leaves resetting.
 //
@@ -94,6 +94,7 @@ wait:
 		m.maybeFinalizeLocked(st, -1)
 	}
 	m.mu.epoch++
+	m.emit(Event{Kind: EventCleared, Tier: "cpu", Epoch: m.mu.epoch}) // S2.8
 	m.mu.admission.Reset()
 	m.mu.resetting = false
 	m.mu.counters.resets++

@@ -44,9 +44,6 @@ type (
 	Toucher interface {
 		Touch(keys []Key, req *Request)
 	}
-	// EventSource is implemented by tiers that report stored and removed
-	// keys of their own.
-	EventSource interface{ TakeEvents() []Event }
 	// Pender is implemented by tiers with outstanding work: jobs in
 	// flight, results not yet collected, or state that only polling
 	// reveals (a transfer's status).
@@ -87,17 +84,19 @@ const (
 )
 
 // Parent is the facade a tier uses from inside Serve, bound to that tier:
-// its lookups skip the tier itself and its store jobs belong to it. Per
-// external request the order is OnNewRequest, any Lookup and
-// CreateStoreJob calls, then OnRequestFinished (also when nothing was
-// found).
+// its lookups skip the tier itself and its leases belong to it. Per
+// external request the order is OnNewRequest, any Lookup and Lease calls,
+// then OnRequestFinished (also when nothing was found).
 type Parent interface {
 	OnNewRequest(req *Request) error
 	Lookup(k Key, req *Request) Result
-	// CreateStoreJob pins keys (which must be ready) for a job of this tier
-	// and returns it; the tier runs it and reports it through Finished.
-	// It returns nil, nil when admission refuses.
-	CreateStoreJob(keys []Key, req *Request) (*Job, error)
+	// Lease pins keys (which must be ready) for this tier on behalf of an
+	// outside request, a peer's fetch (S6.5), and returns the lease: a Job
+	// with Lease set, which the tier reports through Finished once the
+	// pins may go. A lease is not a store: admission never refuses it and
+	// its end feeds no store metric and no backpressure estimate (S2.7).
+	// It returns nil, nil for no keys or while the cache resets.
+	Lease(keys []Key, req *Request) (*Job, error)
 	OnRequestFinished(req *Request) error
 }
 
@@ -185,7 +184,11 @@ type Job struct {
 	// Promotion is true for secondary → CPU, false for a cascade CPU →
 	// secondary.
 	Promotion bool
-	Keys      []Key
+	// Lease is true for pins a tier holds for an outside request
+	// (Parent.Lease); Slots are pinned as for a cascade, but nothing is
+	// stored.
+	Lease bool
+	Keys  []Key
 	// Slots are the CPU slots, parallel to Keys: reserved (writing) for a
 	// promotion, pinned for a cascade.
 	Slots     []int32
@@ -216,6 +219,12 @@ type TierEnv struct {
 	// Progress tells the engine that a lookup answer of this tier may have
 	// changed (S2.10), for example when a peer answered; it never blocks.
 	Progress func()
+	// Emit reports keys the tier stored or removed (S2.8): an Event with
+	// Kind EventStored or EventRemoved and Keys; the manager fills in the
+	// rest and copies Keys. It never blocks, may be called from any
+	// goroutine, also with the tier's own lock held, and keeps nothing
+	// while nobody subscribed.
+	Emit func(Event)
 	// Arena is the CPU tier's memory, for zero-copy I/O into and out of
 	// slots. The tier must not touch slots it holds no job for.
 	Arena  *Arena

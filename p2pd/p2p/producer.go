@@ -101,7 +101,7 @@ func (t *Tier) serveLookup(s *session, l *plookup, now time.Time) bool {
 		}
 	}
 	if len(hits) > 0 {
-		job, err := p.CreateStoreJob(hits, l.req)
+		job, err := p.Lease(hits, l.req)
 		if job == nil {
 			if err != nil {
 				t.log.Warn("p2p: pinning hits for a peer", "err", err)

@@ -27,7 +27,7 @@ type Tier struct {
 	calls   Calls
 	serve   func(p offload.Parent) error
 	polled  bool
-	peer    map[uint64]bool // store jobs made through the Parent (Run)
+	peer    map[uint64]bool // leases taken through the Parent (Run)
 }
 
 // Calls records what the manager asked of the tier.
@@ -315,7 +315,7 @@ func (t *Tier) Serve(p offload.Parent) error {
 	return nil
 }
 
-// Run performs a job the tier created through its Parent (a store job
+// Run performs a job the tier created through its Parent (a lease
 // pinning blocks for a peer) as if it had been submitted.
 func (t *Tier) Run(j *offload.Job) {
 	t.mu.Lock()

@@ -11,6 +11,7 @@ import (
 	"testing/synctest"
 	"time"
 
+	"github.com/google/go-cmp/cmp"
 	"github.com/kvtier/kvtier/offload"
 	"github.com/kvtier/kvtier/testing/fake"
 )
@@ -328,7 +329,7 @@ func TestPeerPinKeepsEngineIdle(t *testing.T) {
 					remote := &offload.Request{ID: "peer:1"}
 					p.OnNewRequest(remote)
 					if p.Lookup(k[0], remote) == offload.Hit {
-						job, _ = p.CreateStoreJob(k, remote)
+						job, _ = p.Lease(k, remote)
 						peer.Run(job)
 					}
 					p.OnRequestFinished(remote)
@@ -349,8 +350,8 @@ func TestPeerPinKeepsEngineIdle(t *testing.T) {
 				peer.Release(job.ID, true) // the fetch completed
 				synctest.Wait()
 				if poll > 0 {
-					if p := h.m.Audit(0); len(p) != 0 || h.m.Metrics().Tiers[1].ActiveCascades != 0 {
-						t.Errorf("without a step: pins %v, active jobs %d; want none", p, h.m.Metrics().Tiers[1].ActiveCascades)
+					if p, tm := h.m.Audit(0), h.m.Metrics().Tiers[1]; len(p) != 0 || tm.ActiveLeases+tm.ActiveCascades != 0 {
+						t.Errorf("without a step: pins %v, active leases %d, cascades %d; want none", p, tm.ActiveLeases, tm.ActiveCascades)
 					}
 				}
 			})
@@ -475,9 +476,10 @@ func TestHitPendingCleared(t *testing.T) {
 	}
 }
 
-// S5.1: a reset refuses new work at once, releases peer pins, waits for
-// transfers in flight (they complete, never aborted; a warning after 5 s),
-// then empties the CPU tier and emits removal events.
+// S5.1, S2.8: a reset refuses new work at once, releases peer pins, waits
+// for transfers in flight (they complete, never aborted; a warning after
+// 5 s), then empties the CPU tier and emits one "cleared" event with the
+// new epoch.
 func TestResetCache(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		var logs logBuffer
@@ -493,12 +495,13 @@ func TestResetCache(t *testing.T) {
 			tier.OnServe(nil)
 			remote := &offload.Request{ID: "peer"}
 			p.OnNewRequest(remote)
-			peerJob, _ = p.CreateStoreJob(ks[:1], remote)
+			peerJob, _ = p.Lease(ks[:1], remote)
 			tier.Run(peerJob)
 			return nil
 		})
 		h.step(func(s *offload.Step) {})
-		h.m.TakeEvents()
+		sub := h.m.Subscribe(0)
+		defer sub.Close()
 		done := make(chan error)
 		go func() { done <- h.m.ResetCache(context.Background()) }()
 		synctest.Wait()
@@ -530,9 +533,9 @@ func TestResetCache(t *testing.T) {
 		if !tier.Has(ks[0]) || !tier.Has(ks[1]) {
 			t.Error("the in-flight cascade did not complete")
 		}
-		ev := h.m.TakeEvents()
-		if len(ev) != 1 || !ev[0].Removed || len(ev[0].Keys) != 2 {
-			t.Errorf("events %v, want one removal of 2 keys", ev)
+		// S2.8: one "cleared" with the new epoch, no removal per key.
+		if diff := cmp.Diff([]offload.Event{{Seq: 1, Kind: offload.EventCleared, Tier: "cpu", Epoch: 1}}, sub.Take()); diff != "" {
+			t.Errorf("events of the reset (-want +got):\n%s", diff)
 		}
 		m := h.m.Metrics()
 		if m.CPU.Used != 0 || m.Resets != 1 || len(h.m.Audit(0)) != 0 {

@@ -550,23 +550,25 @@ func slowDown(tier *fake.Tier) {
 	}
 }
 
-// S2.8: stored and removed events, CPU tier first.
+// S2.8: stored and removed events of the CPU tier, in order and numbered.
 func TestEvents(t *testing.T) {
 	h := newHarness(t, 2, nil)
+	sub := h.m.Subscribe(0)
+	defer sub.Close()
 	req := h.newRequest("r")
 	a, b := keys(1, 2), keys(2, 1)
 	h.m.Do(func(s *offload.Step) { h.store(s, req, a) })
 	h.m.Do(func(s *offload.Step) { h.store(s, req, b) })
 	want := []offload.Event{
-		{Tier: "cpu", Keys: a},
-		{Tier: "cpu", Keys: a[:1], Removed: true},
-		{Tier: "cpu", Keys: b},
+		{Seq: 1, Kind: offload.EventStored, Tier: "cpu", Keys: a},
+		{Seq: 2, Kind: offload.EventRemoved, Tier: "cpu", Keys: a[:1], Removed: true},
+		{Seq: 3, Kind: offload.EventStored, Tier: "cpu", Keys: b},
 	}
-	if diff := cmp.Diff(want, h.m.TakeEvents()); diff != "" {
+	if diff := cmp.Diff(want, sub.Take()); diff != "" {
 		t.Errorf("events (-want +got):\n%s", diff)
 	}
-	if ev := h.m.TakeEvents(); len(ev) != 0 {
-		t.Errorf("events drained twice: %v", ev)
+	if ev := sub.Take(); len(ev) != 0 {
+		t.Errorf("events taken twice: %v", ev)
 	}
 }
 
@@ -680,7 +682,7 @@ func TestHitStaysValidInStep(t *testing.T) {
 }
 
 // The Parent facade: inside Serve a tier registers an external request,
-// looks keys up without reaching itself, creates store jobs it owns (pins
+// looks keys up without reaching itself, takes leases it owns (pins
 // released when it reports them) and finishes the request; the manager
 // never calls the tier's own request hooks for it.
 func TestParentFacade(t *testing.T) {
@@ -703,8 +705,8 @@ func TestParentFacade(t *testing.T) {
 			answers = append(answers, p.Lookup(k, remote))
 		}
 		var err error
-		if job, err = p.CreateStoreJob(ks[:1], remote); err != nil || job == nil {
-			t.Fatalf("CreateStoreJob = %v, %v", job, err)
+		if job, err = p.Lease(ks[:1], remote); err != nil || job == nil || !job.Lease {
+			t.Fatalf("Lease = %+v, %v; want a lease", job, err)
 		}
 		peer.Run(job)
 		if err := p.OnRequestFinished(remote); err != nil {
