@@ -678,7 +678,8 @@ func (t *Tier) Stats() []offload.Stat {
 			offload.Stat{Name: "kv_offload_p2p_data_bytes_sent_total", Type: "counter", Help: "Block bytes written to peers.", Value: float64(tp.bytesOut.Load())},
 			offload.Stat{Name: "kv_offload_p2p_data_bytes_received_total", Type: "counter", Help: "Block bytes read from peers.", Value: float64(tp.bytesIn.Load())},
 			offload.Stat{Name: "kv_offload_p2p_crc_errors_total", Type: "counter", Help: "Blocks whose CRC32C did not match (S7.2).", Value: float64(tp.crcErrors.Load())},
-			offload.Stat{Name: "kv_offload_p2p_unexpected_blocks_total", Type: "counter", Help: "Blocks (TCP: data connections dropped for one; NIXL: round notifications) nobody expected.", Value: float64(tp.strays.Load())})
+			offload.Stat{Name: "kv_offload_p2p_unexpected_blocks_total", Type: "counter", Help: "Blocks (TCP: data connections dropped for one; NIXL: round notifications) nobody expected.", Value: float64(tp.strays.Load())},
+			offload.Stat{Name: "kv_offload_p2p_data_cap_drops_total", Type: "counter", Help: "Inbound data connections closed because the peer had max_data_conns.", Value: float64(tp.capDrops.Load())})
 	}
 	return st
 }
