@@ -11,7 +11,6 @@ import (
 	"io"
 	"log/slog"
 	"net"
-	"strconv"
 	"sync"
 	"time"
 
@@ -433,29 +432,6 @@ func (t *Tier) proof(nonce [32]byte, node string) [32]byte {
 	m.Write([]byte(node))
 	copy(out[:], m.Sum(nil))
 	return out
-}
-
-// remoteSource parses kv_transfer_params.remote_kv_source.
-func remoteSource(params map[string]any) (kvID, addr string, ok bool) {
-	src, _ := params["remote_kv_source"].(map[string]any)
-	if src == nil {
-		return "", "", false
-	}
-	kvID, _ = src["kv_request_id"].(string)
-	host, _ := src["remote_host"].(string)
-	var port string
-	switch p := src["remote_port"].(type) {
-	case float64:
-		port = strconv.Itoa(int(p))
-	case int:
-		port = strconv.Itoa(p)
-	case string:
-		port = p
-	}
-	if kvID == "" || host == "" || port == "" || len(kvID) > wire.MaxString {
-		return "", "", false
-	}
-	return kvID, net.JoinHostPort(host, port), true
 }
 
 var errDuplicateFetch = errors.New("duplicate fetch for a round")
