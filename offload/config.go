@@ -202,7 +202,7 @@ func keyError(err error) (error, bool) {
 	if te.Type == reflect.TypeFor[Duration]() {
 		return fmt.Errorf("%s: %s is not a duration (want a string such as \"5s\")", key, te.Value), true
 	}
-	return fmt.Errorf("%s: a JSON %s is not a %v", key, te.Value, te.Type), true
+	return fmt.Errorf("%s: want %v, have a JSON %s", key, te.Type, te.Value), true
 }
 
 // UnmarshalJSON accepts a preset name or an object.

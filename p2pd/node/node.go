@@ -32,6 +32,7 @@ type Node struct {
 	Eng  *engine.Engine
 	lns  []net.Listener
 	adm  *adminSocket
+	lim  limits // of POST /v0/requests; zero means defaultLimits
 	srv  *http.Server
 	stop chan time.Duration // shutdown requested through the API, with its grace
 	once sync.Once
@@ -384,15 +385,27 @@ const (
 	MaxBodyBytes int64 = MaxTokens*int64(len("4294967295,")) + 1<<20
 )
 
+// limits are a node's request limits: the constants above (tests shrink
+// them).
+type limits struct {
+	tokens, params int
+	body           int64
+}
+
+var defaultLimits = limits{tokens: MaxTokens, params: MaxTransferParamsBytes, body: MaxBodyBytes}
+
 // tokenIDs is prompt_token_ids. It decodes straight from the JSON text
-// and refuses more than MaxTokens ids before allocating for them.
-type tokenIDs []uint32
+// and refuses more than max ids before allocating for them.
+type tokenIDs struct {
+	max int
+	ids []uint32
+}
 
 // UnmarshalJSON reads an array of integers 0 to 4294967295. b is valid
 // JSON: the decoder has checked it.
 func (p *tokenIDs) UnmarshalJSON(b []byte) error {
+	p.ids = nil
 	if string(b) == "null" {
-		*p = nil
 		return nil
 	}
 	if b[0] != '[' {
@@ -400,10 +413,10 @@ func (p *tokenIDs) UnmarshalJSON(b []byte) error {
 	}
 	// Every element but the first follows a comma: an upper bound.
 	n := bytes.Count(b, []byte{','}) + 1
-	if n > MaxTokens {
-		return fmt.Errorf("prompt_token_ids: more than %d tokens", MaxTokens)
+	if n > p.max {
+		return fmt.Errorf("prompt_token_ids: more than %d tokens", p.max)
 	}
-	*p = make(tokenIDs, 0, n)
+	ids := make([]uint32, 0, n)
 	i := 1
 	skip := func() {
 		for i < len(b) && (b[i] == ' ' || b[i] == '\t' || b[i] == '\n' || b[i] == '\r') {
@@ -420,10 +433,11 @@ func (p *tokenIDs) UnmarshalJSON(b []byte) error {
 			i++
 		}
 		if i == start || v > 1<<32-1 || (b[i] != ',' && b[i] != ']' && b[i] != ' ' && b[i] != '\t' && b[i] != '\n' && b[i] != '\r') {
-			return fmt.Errorf("prompt_token_ids: element %d is not a token id (an integer 0 to 4294967295)", len(*p))
+			return fmt.Errorf("prompt_token_ids: element %d is not a token id (an integer 0 to 4294967295)", len(ids))
 		}
-		*p = append(*p, uint32(v))
+		ids = append(ids, uint32(v))
 		if skip(); b[i] == ']' {
+			p.ids = ids
 			return nil
 		}
 		i++ // the comma
@@ -431,22 +445,23 @@ func (p *tokenIDs) UnmarshalJSON(b []byte) error {
 	}
 }
 
-// transferParams is kv_transfer_params: at most MaxTransferParamsBytes of
-// JSON, numbers kept as json.Number (remote_port is read exactly).
-type transferParams map[string]any
+// transferParams is kv_transfer_params: at most max bytes of JSON,
+// numbers kept as json.Number (remote_port is read exactly).
+type transferParams struct {
+	max int
+	m   map[string]any
+}
 
-// UnmarshalJSON reads an object of at most MaxTransferParamsBytes.
+// UnmarshalJSON reads an object of at most max bytes.
 func (p *transferParams) UnmarshalJSON(b []byte) error {
-	if len(b) > MaxTransferParamsBytes {
-		return fmt.Errorf("kv_transfer_params: %d bytes of JSON (at most %d)", len(b), MaxTransferParamsBytes)
+	if len(b) > p.max {
+		return fmt.Errorf("kv_transfer_params: %d bytes of JSON (at most %d)", len(b), p.max)
 	}
 	dec := json.NewDecoder(bytes.NewReader(b))
 	dec.UseNumber()
-	var m map[string]any
-	if err := dec.Decode(&m); err != nil {
+	if err := dec.Decode(&p.m); err != nil {
 		return fmt.Errorf("kv_transfer_params: want an object: %w", err)
 	}
-	*p = m
 	return nil
 }
 
@@ -479,33 +494,34 @@ var requestSeq struct {
 }
 
 func (n *Node) request(w http.ResponseWriter, r *http.Request) {
-	var b requestBody
-	dec := json.NewDecoder(http.MaxBytesReader(w, r.Body, MaxBodyBytes))
+	lim := n.lim
+	if lim == (limits{}) {
+		lim = defaultLimits
+	}
+	b := requestBody{PromptTokenIDs: tokenIDs{max: lim.tokens}, TransferParams: transferParams{max: lim.params}}
+	dec := json.NewDecoder(http.MaxBytesReader(w, r.Body, lim.body))
 	dec.DisallowUnknownFields()
 	if err := decodeOne(dec, &b); err != nil {
 		if _, ok := errors.AsType[*http.MaxBytesError](err); ok {
-			fail(w, 413, "body: larger than %d bytes", MaxBodyBytes)
+			fail(w, 413, "body: larger than %d bytes", lim.body)
 			return
 		}
 		fail(w, 400, "body: %v", err)
 		return
 	}
-	tokens := b.PromptTokenIDs
+	tokens := b.PromptTokenIDs.ids
 	switch {
 	case len(tokens) > 0 && b.Seed != nil:
 		fail(w, 400, "give prompt_token_ids or seed and tokens, not both")
 		return
 	case b.Seed != nil:
-		if b.Tokens <= 0 || b.Tokens > MaxTokens {
-			fail(w, 400, "tokens %d: want 1 to %d", b.Tokens, MaxTokens)
+		if b.Tokens <= 0 || b.Tokens > lim.tokens {
+			fail(w, 400, "tokens %d: want 1 to %d", b.Tokens, lim.tokens)
 			return
 		}
 		tokens = SeededTokens(*b.Seed, b.Tokens)
 	case len(tokens) == 0:
 		fail(w, 400, "give prompt_token_ids, or seed and tokens")
-		return
-	case len(tokens) > MaxTokens:
-		fail(w, 400, "%d tokens: at most %d", len(tokens), MaxTokens)
 		return
 	}
 	if len(b.RequestID) > 256 {
@@ -518,11 +534,11 @@ func (n *Node) request(w http.ResponseWriter, r *http.Request) {
 		b.RequestID = fmt.Sprintf("req-%d", requestSeq.n)
 		requestSeq.Unlock()
 	}
-	if _, _, err := p2p.ParseRemoteSource(b.TransferParams); err != nil {
+	if _, _, err := p2p.ParseRemoteSource(b.TransferParams.m); err != nil {
 		fail(w, 400, "%v", err)
 		return
 	}
-	res, err := n.Eng.Submit(r.Context(), engine.Request{ID: b.RequestID, Tokens: tokens, TransferParams: b.TransferParams})
+	res, err := n.Eng.Submit(r.Context(), engine.Request{ID: b.RequestID, Tokens: tokens, TransferParams: b.TransferParams.m})
 	switch {
 	case err == nil:
 		reply(w, 200, res)
