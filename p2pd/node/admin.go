@@ -63,7 +63,7 @@ func clearStale(path string) error {
 	case err != nil:
 		return fmt.Errorf("admin: %w", err)
 	case fi.Mode().Type() != fs.ModeSocket:
-		return fmt.Errorf("%w: admin: %s exists and is not a unix socket (%v); it is left alone", offload.ErrConfig, path, fi.Mode().Type())
+		return fmt.Errorf("%w: admin: %s exists and is not a unix socket (%s); it is left alone", offload.ErrConfig, path, kind(fi.Mode()))
 	}
 	c, err := net.DialTimeout("unix", path, adminProbeTimeout)
 	switch {
@@ -97,4 +97,16 @@ func (a *adminSocket) remove() {
 	if now, err := os.Lstat(a.path); err == nil && os.SameFile(a.made, now) {
 		os.Remove(a.path)
 	}
+}
+
+func kind(m fs.FileMode) string {
+	switch m.Type() {
+	case 0:
+		return "a regular file"
+	case fs.ModeDir:
+		return "a directory"
+	case fs.ModeSymlink:
+		return "a symlink"
+	}
+	return "a " + m.Type().String()
 }
