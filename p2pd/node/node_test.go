@@ -318,3 +318,29 @@ func TestRequestBodyBounded(t *testing.T) {
 		}
 	}
 }
+
+// S8.1, S8.3: prompt_token_ids decodes exactly as encoding/json would
+// decode a []uint32 (except that a null element is refused), and never
+// more than its limit.
+func FuzzTokenIDs(f *testing.F) {
+	for _, s := range []string{`[1, 2, 3]`, `[]`, `null`, ` [ 0 ,4294967295 ] `, `[4294967296]`, `[-1]`, `[1.5]`, `[1e3]`,
+		`["1"]`, `[null]`, `[[1]]`, `{}`, `7`, `[01]`, `[1,2,3,4,5,6,7,8,9]`, `[12345678901]`} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, in string) {
+		var std struct{ P []uint32 }
+		stdErr := json.Unmarshal([]byte(`{"P":`+in+`}`), &std)
+		got := struct{ P tokenIDs }{P: tokenIDs{max: 8}}
+		err := json.Unmarshal([]byte(`{"P":`+in+`}`), &got)
+		switch {
+		case err == nil && stdErr != nil:
+			t.Fatalf("%q accepted as %v; encoding/json: %v", in, got.P.ids, stdErr)
+		case err == nil && len(got.P.ids) > 8:
+			t.Fatalf("%q: %d ids past the limit of 8", in, len(got.P.ids))
+		case err == nil && fmt.Sprint(got.P.ids) != fmt.Sprint(std.P):
+			t.Fatalf("%q decoded as %v, encoding/json %v", in, got.P.ids, std.P)
+		case err != nil && stdErr == nil && len(std.P) <= 8 && !strings.Contains(in, "null"):
+			t.Fatalf("%q refused (%v); encoding/json: %v", in, err, std.P)
+		}
+	})
+}

@@ -5,8 +5,6 @@ import (
 	"errors"
 	"strings"
 	"testing"
-
-	"github.com/google/go-cmp/cmp"
 )
 
 // S8.3, S6.2: remote_kv_source is parsed once, for the admin API and the
@@ -54,8 +52,8 @@ func TestParseRemoteSource(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			got, ok, err := ParseRemoteSource(tc.params)
-			if diff := cmp.Diff(tc.want, got); diff != "" || ok != tc.ok {
-				t.Errorf("ParseRemoteSource = %v (-want +got):\n%s", ok, diff)
+			if got != tc.want || ok != tc.ok {
+				t.Errorf("ParseRemoteSource = %+v, %v; want %+v, %v", got, ok, tc.want, tc.ok)
 			}
 			switch {
 			case tc.field == "" && err != nil:
