@@ -131,7 +131,9 @@ type Status struct {
 	HasPendingWork bool   `json:"has_pending_work"`
 	Poll           string `json:"poll"`
 	P2P            string `json:"p2p"`
-	Copies         string `json:"copies"`
+	// P2PAuth is "token" or "none" (the P2P port is unauthenticated).
+	P2PAuth string `json:"p2p_auth"`
+	Copies  string `json:"copies"`
 }
 
 // Status fetches the node's status.

@@ -21,7 +21,7 @@ func TestClient(t *testing.T) {
 	}
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /v0/status", func(w http.ResponseWriter, r *http.Request) {
-		w.Write([]byte(`{"node": "a", "state": "paused", "requests": {"running": 2, "waiting": 1}}`))
+		w.Write([]byte(`{"node": "a", "state": "paused", "requests": {"running": 2, "waiting": 1}, "p2p_auth": "none"}`))
 	})
 	mux.HandleFunc("POST /v0/pause", func(w http.ResponseWriter, r *http.Request) {
 		if r.URL.Query().Get("mode") != "keep" {
@@ -37,7 +37,7 @@ func TestClient(t *testing.T) {
 	c := New(sock, "")
 	ctx := context.Background()
 	st, err := c.Status(ctx)
-	if err != nil || st.Node != "a" || st.State != "paused" || st.Requests.Running != 2 || st.Requests.Waiting != 1 {
+	if err != nil || st.Node != "a" || st.State != "paused" || st.Requests.Running != 2 || st.Requests.Waiting != 1 || st.P2PAuth != "none" {
 		t.Errorf("Status = %+v, %v", st, err)
 	}
 	err = c.Do(ctx, "POST", "/v0/pause", url.Values{"mode": {"keep"}}, nil, nil)

@@ -3,13 +3,17 @@ package offload
 import (
 	"bytes"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
 	"maps"
 	"os"
+	"reflect"
 	"slices"
+	"strings"
 	"time"
+	"unicode"
 )
 
 // Config configures a Manager. Keys are snake_case in JSON; docs/
@@ -132,6 +136,9 @@ func nameKey(data []byte, err error) string {
 		one, _ := json.Marshal(map[string]json.RawMessage{k: raw[k]})
 		probe := DefaultConfig()
 		if e := decodeStrict(one, &probe); e != nil {
+			if ke, ok := keyError(e); ok {
+				return ke.Error()
+			}
 			return k + ": " + e.Error()
 		}
 	}
@@ -145,18 +152,57 @@ type Duration time.Duration
 // MarshalJSON writes d as a duration string.
 func (d Duration) MarshalJSON() ([]byte, error) { return json.Marshal(time.Duration(d).String()) }
 
-// UnmarshalJSON reads a duration string.
+// UnmarshalJSON reads a duration string. A bad value is a
+// *json.UnmarshalTypeError, which encoding/json completes with the key
+// it was found under; DecodeError turns that into an error naming the
+// key.
 func (d *Duration) UnmarshalJSON(b []byte) error {
 	var s string
-	if err := json.Unmarshal(b, &s); err != nil {
-		return fmt.Errorf("want a duration string such as \"5s\": %w", err)
+	if json.Unmarshal(b, &s) == nil {
+		if v, err := time.ParseDuration(s); err == nil {
+			*d = Duration(v)
+			return nil
+		}
 	}
-	v, err := time.ParseDuration(s)
-	if err != nil {
-		return err
+	v := string(b)
+	if len(v) > 64 {
+		v = v[:61] + "..."
 	}
-	*d = Duration(v)
-	return nil
+	return &json.UnmarshalTypeError{Value: v, Type: reflect.TypeFor[Duration]()}
+}
+
+// DecodeError rewrites an error from decoding a JSON config so that it
+// names the key concerned, snake_case as in the file: a bad duration
+// reads `hit_pending_timeout: "5x" is not a duration (want a string
+// such as "5s")`. An error it cannot place is returned unchanged.
+func DecodeError(err error) error {
+	if ke, ok := keyError(err); ok {
+		return ke
+	}
+	return err
+}
+
+func keyError(err error) (error, bool) {
+	var te *json.UnmarshalTypeError
+	if !errors.As(err, &te) || te.Field == "" {
+		return nil, false
+	}
+	// The decoder's path names embedded structs by their Go field names
+	// (Offload.hit_pending_timeout); keys are never capitalised.
+	var path []string
+	for _, p := range strings.Split(te.Field, ".") {
+		if p != "" && !unicode.IsUpper(rune(p[0])) {
+			path = append(path, p)
+		}
+	}
+	if len(path) == 0 {
+		return nil, false
+	}
+	key := strings.Join(path, ".")
+	if te.Type == reflect.TypeFor[Duration]() {
+		return fmt.Errorf("%s: %s is not a duration (want a string such as \"5s\")", key, te.Value), true
+	}
+	return fmt.Errorf("%s: want %v, have a JSON %s", key, te.Type, te.Value), true
 }
 
 // UnmarshalJSON accepts a preset name or an object.

@@ -1,6 +1,7 @@
 package offload
 
 import (
+	"encoding/json"
 	"errors"
 	"strings"
 	"testing"
@@ -100,4 +101,39 @@ func FuzzLoadConfig(f *testing.F) {
 			t.Fatalf("error %v is not ErrConfig", err)
 		}
 	})
+}
+
+// S9: a bad duration names its key and the value, wherever the key sits
+// (p2pd's config embeds this one; the decoder's path then carries the Go
+// name of the embedded struct, which is not a key).
+func TestDurationErrorNamesKey(t *testing.T) {
+	_, err := LoadConfig(strings.NewReader(`{"hit_pending_timeout": "5x"}`))
+	if want := `offload: bad config: hit_pending_timeout: "5x" is not a duration`; err == nil || !strings.HasPrefix(err.Error(), want) {
+		t.Errorf("LoadConfig = %v, want %s…", err, want)
+	}
+	var outer struct {
+		Config
+		Extra struct {
+			Wait Duration `json:"wait"`
+		} `json:"extra"`
+	}
+	for in, want := range map[string]string{
+		`{"tier_poll_interval": 5}`:         `tier_poll_interval: 5 is not a duration`,
+		`{"extra": {"wait": "forever"}}`:    `extra.wait: "forever" is not a duration`,
+		`{"hit_pending_timeout": ["1s"]}`:   `hit_pending_timeout: ["1s"] is not a duration`,
+		`{"cpu_bytes": "lots"}`:             `cpu_bytes: want int64, have a JSON string`,
+		`{"hit_pending_timeout": "1s"} {}`:  ``,
+		`{"tier_poll_interval": "1ms", "x"`: ``,
+	} {
+		err := DecodeError(json.Unmarshal([]byte(in), &outer))
+		if want == "" {
+			if err == nil || strings.Contains(err.Error(), "is not a") || strings.Contains(err.Error(), "want ") {
+				t.Errorf("%s: %v, want the decoder's own error", in, err)
+			}
+			continue
+		}
+		if err == nil || !strings.HasPrefix(err.Error(), want) {
+			t.Errorf("%s: %v, want %s…", in, err, want)
+		}
+	}
 }

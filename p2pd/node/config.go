@@ -4,7 +4,6 @@
 package node
 
 import (
-	"bytes"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -98,18 +97,15 @@ func (c *Config) Validate() error {
 	return nil
 }
 
-// LoadConfig reads a JSON config over the defaults. Unknown keys are
-// errors.
+// LoadConfig reads a JSON config over the defaults. Unknown keys,
+// anything after the object and a value of the wrong type (a bad
+// duration, say) are errors naming the key where there is one.
 func LoadConfig(r io.Reader) (Config, error) {
 	c := DefaultConfig()
-	data, err := io.ReadAll(r)
-	if err != nil {
-		return c, err
-	}
-	dec := json.NewDecoder(bytes.NewReader(data))
+	dec := json.NewDecoder(r)
 	dec.DisallowUnknownFields()
-	if err := dec.Decode(&c); err != nil {
-		return c, fmt.Errorf("%w: %w", offload.ErrConfig, err)
+	if err := decodeOne(dec, &c); err != nil {
+		return c, fmt.Errorf("%w: %w", offload.ErrConfig, offload.DecodeError(err))
 	}
 	return c, nil
 }

@@ -1,11 +1,13 @@
 package node
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"expvar"
 	"fmt"
+	"io"
 	"log/slog"
 	"math/rand/v2"
 	"net"
@@ -29,6 +31,8 @@ type Node struct {
 	P2P  *p2p.Tier
 	Eng  *engine.Engine
 	lns  []net.Listener
+	adm  *adminSocket
+	lim  limits // of POST /v0/requests; zero means defaultLimits
 	srv  *http.Server
 	stop chan time.Duration // shutdown requested through the API, with its grace
 	once sync.Once
@@ -41,11 +45,11 @@ func Start(cfg Config, log *slog.Logger) (*Node, error) {
 		return nil, err
 	}
 	if cfg.ClusterTokenFile != "" {
-		tok, err := os.ReadFile(cfg.ClusterTokenFile)
+		tok, err := readToken(cfg.ClusterTokenFile)
 		if err != nil {
-			return nil, fmt.Errorf("%w: cluster_token_file: %w", offload.ErrConfig, err)
+			return nil, err
 		}
-		cfg.ClusterToken = strings.TrimSpace(string(tok))
+		cfg.ClusterToken = tok
 	}
 	n := &Node{cfg: cfg, log: log, stop: make(chan time.Duration, 1)}
 	oc := cfg.OffloadConfig()
@@ -81,25 +85,48 @@ func Start(cfg Config, log *slog.Logger) (*Node, error) {
 		m.Close()
 		return nil, err
 	}
+	if cfg.ClusterToken == "" {
+		log.Warn("no cluster token: the P2P port is unauthenticated; anyone who can reach it can fetch KV blocks and inject data into fetches (set cluster_token_file)",
+			"p2p", n.P2P.Addr())
+	}
 	return n, nil
 }
 
-// listen opens the admin socket (0600) and, if configured, loopback TCP.
-func (n *Node) listen() error {
-	os.Remove(n.cfg.Admin) // a stale socket from a crashed run
-	ln, err := net.Listen("unix", n.cfg.Admin)
+// readToken reads cluster_token_file; an unreadable or empty (white
+// space only) file is an error, never a node without a token.
+func readToken(path string) (string, error) {
+	b, err := os.ReadFile(path)
 	if err != nil {
-		return fmt.Errorf("admin socket %s: %w", n.cfg.Admin, err)
+		return "", fmt.Errorf("%w: cluster_token_file: %w", offload.ErrConfig, err)
 	}
-	if err := os.Chmod(n.cfg.Admin, 0o600); err != nil {
-		ln.Close()
+	tok := strings.TrimSpace(string(b))
+	if tok == "" {
+		return "", fmt.Errorf("%w: cluster_token_file: %s is empty", offload.ErrConfig, path)
+	}
+	return tok, nil
+}
+
+// p2pAuth is status's p2p_auth: how peers are authenticated.
+func (n *Node) p2pAuth() string {
+	if n.cfg.ClusterToken == "" {
+		return "none"
+	}
+	return "token"
+}
+
+// listen opens the admin socket (0600; see listenAdmin) and, if
+// configured, loopback TCP.
+func (n *Node) listen() error {
+	adm, err := listenAdmin(n.cfg.Admin)
+	if err != nil {
 		return err
 	}
-	n.lns = append(n.lns, ln)
+	n.adm = adm
+	n.lns = append(n.lns, adm.ln)
 	if n.cfg.AdminTCP != "" {
 		tl, err := net.Listen("tcp", n.cfg.AdminTCP)
 		if err != nil {
-			ln.Close()
+			adm.close()
 			return fmt.Errorf("admin_tcp %s: %w", n.cfg.AdminTCP, err)
 		}
 		n.lns = append(n.lns, tl)
@@ -137,7 +164,7 @@ func (n *Node) Shutdown(grace time.Duration) error {
 		errs = append(errs, n.srv.Shutdown(ctx))
 		cancel()
 		errs = append(errs, n.M.Close())
-		os.Remove(n.cfg.Admin)
+		n.adm.close()
 		err = errors.Join(errs...)
 	})
 	return err
@@ -260,7 +287,10 @@ type Status struct {
 	HasPendingWork bool   `json:"has_pending_work"`
 	Poll           string `json:"poll"`
 	P2P            string `json:"p2p"`
-	Copies         string `json:"copies"`
+	// P2PAuth is how peers on the P2P port are authenticated: "token"
+	// (cluster_token_file) or "none" (anyone who reaches the port).
+	P2PAuth string `json:"p2p_auth"`
+	Copies  string `json:"copies"`
 }
 
 func (n *Node) status(w http.ResponseWriter, r *http.Request) {
@@ -276,7 +306,7 @@ func (n *Node) status(w http.ResponseWriter, r *http.Request) {
 			}
 		}
 	}
-	s.HasPendingWork, s.Poll = n.M.HasPendingWork(), m.Poll
+	s.HasPendingWork, s.Poll, s.P2PAuth = n.M.HasPendingWork(), m.Poll, n.p2pAuth()
 	reply(w, 200, s)
 }
 
@@ -336,14 +366,127 @@ func (n *Node) metrics(w http.ResponseWriter, r *http.Request) {
 // requestBody is POST /v0/requests.
 type requestBody struct {
 	RequestID      string         `json:"request_id"`
-	PromptTokenIDs []uint32       `json:"prompt_token_ids"`
+	PromptTokenIDs tokenIDs       `json:"prompt_token_ids"`
 	Seed           *uint64        `json:"seed"`
 	Tokens         int            `json:"tokens"`
-	TransferParams map[string]any `json:"kv_transfer_params"`
+	TransferParams transferParams `json:"kv_transfer_params"`
 }
 
-// MaxTokens bounds a request's prompt.
-const MaxTokens = 1 << 22
+// Limits of POST /v0/requests (S8.3). A body costs at most what a valid
+// maximal one does: MaxBodyBytes of buffer, MaxTokens token ids and
+// MaxTransferParamsBytes of kv_transfer_params.
+const (
+	// MaxTokens bounds a request's prompt.
+	MaxTokens = 1 << 22
+	// MaxTransferParamsBytes bounds kv_transfer_params, as JSON.
+	MaxTransferParamsBytes = 64 << 10
+	// MaxBodyBytes holds MaxTokens ten-digit token ids with their commas,
+	// and 1 MiB for the rest.
+	MaxBodyBytes int64 = MaxTokens*int64(len("4294967295,")) + 1<<20
+)
+
+// limits are a node's request limits: the constants above (tests shrink
+// them).
+type limits struct {
+	tokens, params int
+	body           int64
+}
+
+var defaultLimits = limits{tokens: MaxTokens, params: MaxTransferParamsBytes, body: MaxBodyBytes}
+
+// tokenIDs is prompt_token_ids. It decodes straight from the JSON text
+// and refuses more than max ids before allocating for them.
+type tokenIDs struct {
+	max int
+	ids []uint32
+}
+
+// UnmarshalJSON reads an array of integers 0 to 4294967295. b is valid
+// JSON: the decoder has checked it.
+func (p *tokenIDs) UnmarshalJSON(b []byte) error {
+	p.ids = nil
+	if string(b) == "null" {
+		return nil
+	}
+	if b[0] != '[' {
+		return errors.New("prompt_token_ids: want an array of token ids")
+	}
+	// Every element but the first follows a comma: an upper bound.
+	n := bytes.Count(b, []byte{','}) + 1
+	if n > p.max {
+		return fmt.Errorf("prompt_token_ids: more than %d tokens", p.max)
+	}
+	ids := make([]uint32, 0, n)
+	i := 1
+	skip := func() {
+		for i < len(b) && (b[i] == ' ' || b[i] == '\t' || b[i] == '\n' || b[i] == '\r') {
+			i++
+		}
+	}
+	if skip(); b[i] == ']' {
+		return nil
+	}
+	for {
+		start, v := i, uint64(0)
+		for i < len(b) && b[i] >= '0' && b[i] <= '9' && i-start < 11 {
+			v = v*10 + uint64(b[i]-'0')
+			i++
+		}
+		if i == start || v > 1<<32-1 || (b[i] != ',' && b[i] != ']' && b[i] != ' ' && b[i] != '\t' && b[i] != '\n' && b[i] != '\r') {
+			return fmt.Errorf("prompt_token_ids: element %d is not a token id (an integer 0 to 4294967295)", len(ids))
+		}
+		ids = append(ids, uint32(v))
+		if skip(); b[i] == ']' {
+			p.ids = ids
+			return nil
+		}
+		i++ // the comma
+		skip()
+	}
+}
+
+// transferParams is kv_transfer_params: at most max bytes of JSON,
+// numbers kept as json.Number (remote_port is read exactly).
+type transferParams struct {
+	max int
+	m   map[string]any
+}
+
+// UnmarshalJSON reads an object of at most max bytes.
+func (p *transferParams) UnmarshalJSON(b []byte) error {
+	if len(b) > p.max {
+		return fmt.Errorf("kv_transfer_params: %d bytes of JSON (at most %d)", len(b), p.max)
+	}
+	dec := json.NewDecoder(bytes.NewReader(b))
+	dec.UseNumber()
+	if err := dec.Decode(&p.m); err != nil {
+		return fmt.Errorf("kv_transfer_params: want an object: %w", err)
+	}
+	return nil
+}
+
+// ErrTrailingData is a JSON body or config file with more after its value.
+var ErrTrailingData = errors.New("node: trailing data after the JSON value")
+
+// decodeOne decodes one JSON value and rejects anything after it but
+// white space.
+func decodeOne(dec *json.Decoder, v any) error {
+	if err := dec.Decode(v); err != nil {
+		return err
+	}
+	switch _, err := dec.Token(); {
+	case err == io.EOF:
+		return nil
+	case err != nil && !isSyntaxError(err):
+		return err // a read error, or the body limit
+	}
+	return ErrTrailingData
+}
+
+func isSyntaxError(err error) bool {
+	var se *json.SyntaxError
+	return errors.As(err, &se)
+}
 
 var requestSeq struct {
 	sync.Mutex
@@ -351,29 +494,34 @@ var requestSeq struct {
 }
 
 func (n *Node) request(w http.ResponseWriter, r *http.Request) {
-	var b requestBody
-	dec := json.NewDecoder(http.MaxBytesReader(w, r.Body, 64<<20))
+	lim := n.lim
+	if lim == (limits{}) {
+		lim = defaultLimits
+	}
+	b := requestBody{PromptTokenIDs: tokenIDs{max: lim.tokens}, TransferParams: transferParams{max: lim.params}}
+	dec := json.NewDecoder(http.MaxBytesReader(w, r.Body, lim.body))
 	dec.DisallowUnknownFields()
-	if err := dec.Decode(&b); err != nil {
+	if err := decodeOne(dec, &b); err != nil {
+		if _, ok := errors.AsType[*http.MaxBytesError](err); ok {
+			fail(w, 413, "body: larger than %d bytes", lim.body)
+			return
+		}
 		fail(w, 400, "body: %v", err)
 		return
 	}
-	tokens := b.PromptTokenIDs
+	tokens := b.PromptTokenIDs.ids
 	switch {
 	case len(tokens) > 0 && b.Seed != nil:
 		fail(w, 400, "give prompt_token_ids or seed and tokens, not both")
 		return
 	case b.Seed != nil:
-		if b.Tokens <= 0 || b.Tokens > MaxTokens {
-			fail(w, 400, "tokens %d: want 1 to %d", b.Tokens, MaxTokens)
+		if b.Tokens <= 0 || b.Tokens > lim.tokens {
+			fail(w, 400, "tokens %d: want 1 to %d", b.Tokens, lim.tokens)
 			return
 		}
 		tokens = SeededTokens(*b.Seed, b.Tokens)
 	case len(tokens) == 0:
 		fail(w, 400, "give prompt_token_ids, or seed and tokens")
-		return
-	case len(tokens) > MaxTokens:
-		fail(w, 400, "%d tokens: at most %d", len(tokens), MaxTokens)
 		return
 	}
 	if len(b.RequestID) > 256 {
@@ -386,18 +534,11 @@ func (n *Node) request(w http.ResponseWriter, r *http.Request) {
 		b.RequestID = fmt.Sprintf("req-%d", requestSeq.n)
 		requestSeq.Unlock()
 	}
-	if b.TransferParams != nil {
-		if src, ok := b.TransferParams["remote_kv_source"]; ok {
-			m, _ := src.(map[string]any)
-			id, _ := m["kv_request_id"].(string)
-			host, _ := m["remote_host"].(string)
-			if id == "" || host == "" || m["remote_port"] == nil {
-				fail(w, 400, "kv_transfer_params.remote_kv_source needs kv_request_id, remote_host and remote_port")
-				return
-			}
-		}
+	if _, _, err := p2p.ParseRemoteSource(b.TransferParams.m); err != nil {
+		fail(w, 400, "%v", err)
+		return
 	}
-	res, err := n.Eng.Submit(r.Context(), engine.Request{ID: b.RequestID, Tokens: tokens, TransferParams: b.TransferParams})
+	res, err := n.Eng.Submit(r.Context(), engine.Request{ID: b.RequestID, Tokens: tokens, TransferParams: b.TransferParams.m})
 	switch {
 	case err == nil:
 		reply(w, 200, res)

@@ -64,10 +64,14 @@ func (t *Tier) creqOf(req *offload.Request) *creq {
 // kv_transfer_params name a remote_kv_source becomes a consumer of that
 // peer, dialling it if needed. Every request is chunk-level.
 func (t *Tier) OnNewRequest(req *offload.Request) offload.Level {
-	kvID, addr, ok := remoteSource(req.TransferParams)
+	src, ok, err := ParseRemoteSource(req.TransferParams)
+	if err != nil {
+		t.log.Warn("p2p: not fetching for a request with a bad remote_kv_source", "request", req.ID, "err", err)
+	}
 	if !ok || t.closed {
 		return offload.ChunkLevel
 	}
+	kvID, addr := src.KVRequestID, src.Addr
 	s := t.byAddr[addr]
 	if s == nil || s.dead {
 		s = t.dial(addr)

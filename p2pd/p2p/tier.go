@@ -10,7 +10,6 @@ import (
 	"log/slog"
 	"net"
 	"os"
-	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -240,9 +239,6 @@ func New(cfg Config, node offload.Config, n Network, env offload.TierEnv) (*Tier
 	for _, a := range cfg.Peers {
 		t.redial[a] = &backoff{delay: redialMin}
 		t.dial(a)
-	}
-	if cfg.ClusterToken == "" {
-		log.Warn("p2p: no cluster token: the P2P port is unauthenticated; anyone who can reach it can fetch this node's KV blocks and serve it forged ones (docs/security.md)", "addr", t.addr)
 	}
 	log.Info("p2p tier listening", "addr", t.addr, "node", t.self.NodeID)
 	return t, nil
@@ -709,29 +705,6 @@ func toWire(ks []offload.Key) []wire.Key {
 		out[i] = k
 	}
 	return out
-}
-
-// remoteSource parses kv_transfer_params.remote_kv_source.
-func remoteSource(params map[string]any) (kvID, addr string, ok bool) {
-	src, _ := params["remote_kv_source"].(map[string]any)
-	if src == nil {
-		return "", "", false
-	}
-	kvID, _ = src["kv_request_id"].(string)
-	host, _ := src["remote_host"].(string)
-	var port string
-	switch p := src["remote_port"].(type) {
-	case float64:
-		port = strconv.Itoa(int(p))
-	case int:
-		port = strconv.Itoa(p)
-	case string:
-		port = p
-	}
-	if kvID == "" || host == "" || port == "" || len(kvID) > wire.MaxString {
-		return "", "", false
-	}
-	return kvID, net.JoinHostPort(host, port), true
 }
 
 var errDuplicateFetch = errors.New("duplicate fetch for a round")

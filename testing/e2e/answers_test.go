@@ -19,7 +19,7 @@ func TestAnswerShapesAgree(t *testing.T) {
 	s.Node, s.State, s.Peers, s.HasPendingWork = "n1", "paused", 2, true
 	s.Requests.Running, s.Requests.Waiting = 3, 4
 	s.CPUTier.Slots, s.CPUTier.Used, s.CPUTier.Pinned = 5, 6, 7
-	s.Poll, s.P2P, s.Copies = "poll", "p2p", "copies"
+	s.Poll, s.P2P, s.Copies, s.P2PAuth = "poll", "p2p", "copies", "token"
 	roundTrip(t, s, &ctl.Status{})
 
 	r := engine.Result{RequestID: "r1", Blocks: 8, KVDigest: "ab", ElapsedMS: 1.5,

@@ -38,6 +38,17 @@ commands:
   peers [--json]
 `
 
+// authText says what status's p2p_auth means.
+func authText(auth string) string {
+	switch auth {
+	case "none":
+		return "none (anyone who can reach the P2P port can fetch and inject KV blocks)"
+	case "":
+		return "unknown"
+	}
+	return auth
+}
+
 type usageError struct{ msg string }
 
 func (e usageError) Error() string { return e.msg }
@@ -86,9 +97,9 @@ func run(args []string, out, errw io.Writer) error {
 		if *asJSON {
 			return printJSON(out, s)
 		}
-		fmt.Fprintf(out, "node %s (%s): %s\nrequests: %d running, %d waiting\nCPU tier: %d of %d slots used, %d pinned\npeers: %d · pending work: %v · poll goroutine: %s · copies: %s\n",
+		fmt.Fprintf(out, "node %s (%s): %s\nrequests: %d running, %d waiting\nCPU tier: %d of %d slots used, %d pinned\npeers: %d · pending work: %v · poll goroutine: %s · copies: %s\nP2P authentication: %s\n",
 			s.Node, s.P2P, s.State, s.Requests.Running, s.Requests.Waiting, s.CPUTier.Used, s.CPUTier.Slots, s.CPUTier.Pinned,
-			s.Peers, s.HasPendingWork, s.Poll, s.Copies)
+			s.Peers, s.HasPendingWork, s.Poll, s.Copies, authText(s.P2PAuth))
 		return nil
 	case "pause":
 		mode := fs.String("mode", "wait", "wait, abort or keep")

@@ -91,7 +91,7 @@ func parse(args []string) (node.Config, error) {
 		pollEvery  = fs.Duration("tier-poll-interval", time.Millisecond, "tier-poll interval (≤ 0: no poll goroutine)")
 		hitPending = fs.Duration("hit-pending-timeout", 5*time.Second, "HitPending bound")
 		hashSeed   = fs.String("hash-seed", offload.DefaultHashSeed, "block key hash seed")
-		tokenFile  = fs.String("cluster-token-file", "", "file holding the cluster token")
+		tokenFile  = fs.String("cluster-token-file", "", "file holding the cluster token (none: the P2P port is unauthenticated)")
 		peers      = fs.String("peers", "", "comma-separated peers dialled at start")
 		dataPlane  = fs.String("data-plane", "tcp", "P2P data plane: tcp, or nixl in a binary built with -tags nixl")
 		grace      = fs.Duration("shutdown-grace", 30*time.Second, "grace for running requests on shutdown")
