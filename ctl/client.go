@@ -133,7 +133,19 @@ type Status struct {
 	P2P            string `json:"p2p"`
 	// P2PAuth is "token" or "none" (the P2P port is unauthenticated).
 	P2PAuth string `json:"p2p_auth"`
-	Copies  string `json:"copies"`
+	// P2PHealth is the P2P port's accept loop.
+	P2PHealth P2PHealth `json:"p2p_health"`
+	Copies    string    `json:"copies"`
+}
+
+// P2PHealth mirrors p2p.Health: OK unless the P2P accept loop stopped or
+// failed in the last 10 s.
+type P2PHealth struct {
+	OK              bool      `json:"ok"`
+	Accepting       bool      `json:"accepting"`
+	AcceptErrors    uint64    `json:"accept_errors"`
+	LastAcceptError string    `json:"last_accept_error,omitempty"`
+	LastErrorAt     time.Time `json:"last_accept_error_at,omitzero"`
 }
 
 // Status fetches the node's status.

@@ -178,7 +178,7 @@ func (n *Node) mux() *http.ServeMux {
 	mux.HandleFunc("GET /v0/peers", n.peers)
 	mux.HandleFunc("POST /v0/reset-cache", n.resetCache)
 	mux.HandleFunc("POST /v0/shutdown", n.shutdown)
-	mux.HandleFunc("GET /v0/health", func(w http.ResponseWriter, r *http.Request) { reply(w, 200, map[string]bool{"ok": true}) })
+	mux.HandleFunc("GET /v0/health", n.health)
 	mux.HandleFunc("POST /v0/requests", n.request)
 	mux.HandleFunc("GET /metrics", n.metrics)
 	mux.Handle("GET /debug/vars", expvar.Handler())
@@ -290,7 +290,21 @@ type Status struct {
 	// P2PAuth is how peers on the P2P port are authenticated: "token"
 	// (cluster_token_file) or "none" (anyone who reaches the port).
 	P2PAuth string `json:"p2p_auth"`
-	Copies  string `json:"copies"`
+	// P2PHealth is the P2P port's accept loop (p2p.Health).
+	P2PHealth p2p.Health `json:"p2p_health"`
+	Copies    string     `json:"copies"`
+}
+
+// health is GET /v0/health: 200 while the node serves, 503 when its P2P
+// port does not accept (the accept loop stopped, or failed in the last
+// 10 s, as under fd exhaustion).
+func (n *Node) health(w http.ResponseWriter, r *http.Request) {
+	h := n.P2P.Health()
+	code := 200
+	if !h.OK {
+		code = 503
+	}
+	reply(w, code, map[string]any{"ok": h.OK, "p2p": h})
 }
 
 func (n *Node) status(w http.ResponseWriter, r *http.Request) {
@@ -306,7 +320,7 @@ func (n *Node) status(w http.ResponseWriter, r *http.Request) {
 			}
 		}
 	}
-	s.HasPendingWork, s.Poll, s.P2PAuth = n.M.HasPendingWork(), m.Poll, n.p2pAuth()
+	s.HasPendingWork, s.Poll, s.P2PAuth, s.P2PHealth = n.M.HasPendingWork(), m.Poll, n.p2pAuth(), n.P2P.Health()
 	reply(w, 200, s)
 }
 

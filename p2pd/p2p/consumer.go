@@ -1,6 +1,8 @@
 package p2p
 
 import (
+	"errors"
+	"fmt"
 	"slices"
 	"time"
 
@@ -150,7 +152,23 @@ func (t *Tier) SubmitLoad(job *offload.Job) {
 	t.env.Wake() // the load's timeout needs the timer armed
 }
 
+// errUnknownRound is an answer for a round this node never started: a
+// confused or hostile peer. It is a handler error, not at once a
+// protocol error (S8.2).
+var errUnknownRound = errors.New("p2p: answer for a round this node never started")
+
+// checkRound rejects answers for rounds beyond any this node numbered.
+func (t *Tier) checkRound(round uint64) error {
+	if round == 0 || round > t.round {
+		return fmt.Errorf("%w: round %d (last %d)", errUnknownRound, round, t.round)
+	}
+	return nil
+}
+
 func (t *Tier) onLookupResp(s *session, m wire.LookupResp) error {
+	if err := t.checkRound(m.Round); err != nil {
+		return err
+	}
 	cr := s.creqs[m.ReqID]
 	if cr == nil || cr.round != m.Round {
 		return nil // late: the request finished or fetched already
@@ -171,6 +189,9 @@ func (t *Tier) onLookupResp(s *session, m wire.LookupResp) error {
 }
 
 func (t *Tier) onTransferDone(s *session, m wire.TransferDone) error {
+	if err := t.checkRound(m.Round); err != nil {
+		return err
+	}
 	l := s.loads[m.Round]
 	if l == nil || l.cr.kvID != m.ReqID {
 		return nil // late or raced with a local timeout
@@ -210,6 +231,9 @@ func (t *Tier) settle(s *session, l *load) {
 }
 
 func (t *Tier) onAbortAck(s *session, m wire.AbortAck) error {
+	if err := t.checkRound(m.Round); err != nil {
+		return err
+	}
 	l := s.loads[m.Round]
 	if l == nil || l.cr.kvID != m.ReqID {
 		return nil

@@ -362,3 +362,37 @@ func TestDuplicateDialsKeepWork(t *testing.T) {
 		})
 	}
 }
+
+// S8.2: five handler errors in a row (here answers for rounds the node
+// never started) disconnect the session; four, then a good frame, do not.
+func TestFiveHandlerErrors(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		mn := newMemNet()
+		n := newNode(t, mn, nil, 4)
+		f := connectFake(t, mn, n, "fake")
+		bad := func(k int) {
+			for range k {
+				f.send(wire.TransferDone{ReqID: "kv", Round: 1000})
+			}
+			synctest.Wait()
+		}
+		bad(4)
+		f.send(wire.Ping{Seq: 1}) // a good frame resets the count
+		if _, ok := f.next().(wire.Pong); !ok {
+			t.Fatal("no pong")
+		}
+		bad(4)
+		if ps := n.tier.Peers(); len(ps) != 1 {
+			t.Fatalf("disconnected after four handler errors and a good frame; peers %+v", ps)
+		}
+		bad(1)
+		d, ok := f.next().(wire.Disconnect)
+		if !ok || d.Code != wire.CodeHandlerErrors {
+			t.Fatalf("after five handler errors in a row: %+v, want a disconnect with code handler_errors", d)
+		}
+		synctest.Wait()
+		if ps := n.tier.Peers(); len(ps) != 0 {
+			t.Errorf("peers %+v after the disconnect", ps)
+		}
+	})
+}

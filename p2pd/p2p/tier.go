@@ -244,6 +244,26 @@ func New(cfg Config, node offload.Config, n Network, env offload.TierEnv) (*Tier
 	return t, nil
 }
 
+// Health is the P2P port's state, for the daemon's status and health
+// check: OK unless the accept loop stopped or failed in the last 10 s.
+type Health struct {
+	OK              bool      `json:"ok"`
+	Accepting       bool      `json:"accepting"`
+	AcceptErrors    uint64    `json:"accept_errors"`
+	LastAcceptError string    `json:"last_accept_error,omitempty"`
+	LastErrorAt     time.Time `json:"last_accept_error_at,omitzero"`
+}
+
+// Health reports the P2P port's state; it needs no lock.
+func (t *Tier) Health() Health {
+	a := &t.accept
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	h := Health{Accepting: !a.stopped, AcceptErrors: a.errors.Load(), LastAcceptError: a.last, LastErrorAt: a.lastAt}
+	h.OK = h.Accepting && (a.lastAt.IsZero() || time.Since(a.lastAt) > 10*time.Second)
+	return h
+}
+
 // Authenticated says whether peers must hold the cluster token.
 func (t *Tier) Authenticated() bool { return t.cfg.ClusterToken != "" }
 

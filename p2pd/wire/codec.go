@@ -99,12 +99,12 @@ func appendKeys(b []byte, keys []Key) []byte {
 }
 
 // growStep is the least a frame buffer grows by while its bytes arrive.
-const growStep = 64 << 10
+const growStep = 16 << 10
 
 // ReadFrame reads one frame's payload into buf and
 // returns it; a frame over limit bytes is malformed. The buffer grows with the bytes that arrived, never to what
 // the header claims (S8.1): a peer that announces a large frame and sends
-// nothing costs at most growStep.
+// nothing costs at most growStep (16 KiB).
 func ReadFrame(r io.Reader, buf []byte, limit int) ([]byte, error) {
 	var hdr [4]byte
 	if _, err := io.ReadFull(r, hdr[:]); err != nil {

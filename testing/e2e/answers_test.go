@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"testing"
+	"time"
 
 	"github.com/kvtier/kvtier/ctl"
 	"github.com/kvtier/kvtier/p2pd/engine"
@@ -20,6 +21,8 @@ func TestAnswerShapesAgree(t *testing.T) {
 	s.Requests.Running, s.Requests.Waiting = 3, 4
 	s.CPUTier.Slots, s.CPUTier.Used, s.CPUTier.Pinned = 5, 6, 7
 	s.Poll, s.P2P, s.Copies, s.P2PAuth = "poll", "p2p", "copies", "token"
+	s.P2PHealth = p2p.Health{OK: false, Accepting: true, AcceptErrors: 3, LastAcceptError: "accept: too many open files",
+		LastErrorAt: time.Date(2026, 12, 1, 10, 0, 0, 0, time.UTC)}
 	roundTrip(t, s, &ctl.Status{})
 
 	r := engine.Result{RequestID: "r1", Blocks: 8, KVDigest: "ab", ElapsedMS: 1.5,

@@ -97,9 +97,9 @@ func run(args []string, out, errw io.Writer) error {
 		if *asJSON {
 			return printJSON(out, s)
 		}
-		fmt.Fprintf(out, "node %s (%s): %s\nrequests: %d running, %d waiting\nCPU tier: %d of %d slots used, %d pinned\npeers: %d · pending work: %v · poll goroutine: %s · copies: %s\nP2P authentication: %s\n",
+		fmt.Fprintf(out, "node %s (%s): %s\nrequests: %d running, %d waiting\nCPU tier: %d of %d slots used, %d pinned\npeers: %d · pending work: %v · poll goroutine: %s · copies: %s\nP2P authentication: %s\nP2P port: %s\n",
 			s.Node, s.P2P, s.State, s.Requests.Running, s.Requests.Waiting, s.CPUTier.Used, s.CPUTier.Slots, s.CPUTier.Pinned,
-			s.Peers, s.HasPendingWork, s.Poll, s.Copies, authText(s.P2PAuth))
+			s.Peers, s.HasPendingWork, s.Poll, s.Copies, authText(s.P2PAuth), healthText(s.P2PHealth))
 		return nil
 	case "pause":
 		mode := fs.String("mode", "wait", "wait, abort or keep")
@@ -313,4 +313,17 @@ func readTokens(path string) ([]uint32, error) {
 		out = append(out, uint32(v))
 	}
 	return out, sc.Err()
+}
+
+// healthText describes the P2P port's accept loop.
+func healthText(h ctl.P2PHealth) string {
+	switch {
+	case !h.Accepting:
+		return "NOT ACCEPTING (the listener closed; restart the node)"
+	case !h.OK:
+		return fmt.Sprintf("accept errors (%d in all; last %s: %s)", h.AcceptErrors, h.LastErrorAt.Format(time.RFC3339), h.LastAcceptError)
+	case h.AcceptErrors > 0:
+		return fmt.Sprintf("accepting (%d accept errors since start)", h.AcceptErrors)
+	}
+	return "accepting"
 }
