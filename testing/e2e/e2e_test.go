@@ -62,11 +62,21 @@ var readyRE = regexp.MustCompile(`msg=ready .*p2p=(\S+)`)
 // dir, and waits for its ready line.
 func start(t *testing.T, args ...string) *node {
 	t.Helper()
+	return startLimited(t, 0, args...)
+}
+
+// startLimited is start with the process's fd limit set to fds (0: as
+// inherited), through the shell's ulimit.
+func startLimited(t *testing.T, fds int, args ...string) *node {
+	t.Helper()
 	dir := t.TempDir()
 	n := &node{t: t, admin: filepath.Join(dir, "p2pd.sock"), exited: make(chan error, 1)}
 	args = append([]string{"-model", "tiny", "-cpu-slots", "256", "-gpu-blocks", "128", "-admin", n.admin,
 		"-p2p-listen", "127.0.0.1:0"}, append(planeArgs, args...)...)
 	n.cmd = exec.Command(filepath.Join(bin, "p2pd"), args...)
+	if fds > 0 {
+		n.cmd = exec.Command("sh", append([]string{"-c", fmt.Sprintf(`ulimit -n %d && exec "$0" "$@"`, fds), filepath.Join(bin, "p2pd")}, args...)...)
+	}
 	stderr, err := n.cmd.StderrPipe()
 	if err != nil {
 		t.Fatal(err)
