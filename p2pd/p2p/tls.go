@@ -75,6 +75,10 @@ func TLSNetwork(inner Network, tc TLSConfig) (Network, error) {
 		NextProtos:   []string{tlsALPN},
 		// Every connection verifies the peer's certificate afresh.
 		SessionTicketsDisabled: true,
+		// Full-size records from the first byte: data connections carry
+		// MiB-sized blocks, and control messages are not latency-bound
+		// enough to gain from small first records.
+		DynamicRecordSizingDisabled: true,
 	}
 	n.client = &tls.Config{
 		MinVersion: tls.VersionTLS13,
@@ -88,7 +92,8 @@ func TLSNetwork(inner Network, tc TLSConfig) (Network, error) {
 			_, err := verifyChain(cs.PeerCertificates, pool, x509.ExtKeyUsageServerAuth)
 			return err
 		},
-		NextProtos: []string{tlsALPN},
+		NextProtos:                  []string{tlsALPN},
+		DynamicRecordSizingDisabled: true,
 	}
 	n.log.Info("p2p: TLS on the P2P port", "cert", identity(cert.Leaf), "ca", tc.CAFile)
 	return n, nil
@@ -229,11 +234,14 @@ func verifyChain(certs []*x509.Certificate, pool *x509.CertPool, usage x509.ExtK
 // loadTLS reads the three files, naming the key of the one that is bad.
 func loadTLS(tc TLSConfig) (tls.Certificate, *x509.CertPool, error) {
 	bad := func(key, file string, err error) (tls.Certificate, *x509.CertPool, error) {
+		if file == "" { // err names the file
+			return tls.Certificate{}, nil, fmt.Errorf("%w: %s: %w", ErrConfig, key, err)
+		}
 		return tls.Certificate{}, nil, fmt.Errorf("%w: %s: %s: %w", ErrConfig, key, file, err)
 	}
 	certPEM, err := os.ReadFile(tc.CertFile)
 	if err != nil {
-		return bad("p2p_tls_cert", tc.CertFile, err)
+		return bad("p2p_tls_cert", "", err)
 	}
 	var chain []*x509.Certificate
 	for rest := certPEM; ; {
@@ -255,7 +263,7 @@ func loadTLS(tc TLSConfig) (tls.Certificate, *x509.CertPool, error) {
 	}
 	keyPEM, err := os.ReadFile(tc.KeyFile)
 	if err != nil {
-		return bad("p2p_tls_key", tc.KeyFile, err)
+		return bad("p2p_tls_key", "", err)
 	}
 	cert, err := tls.X509KeyPair(certPEM, keyPEM)
 	if err != nil {
@@ -263,7 +271,7 @@ func loadTLS(tc TLSConfig) (tls.Certificate, *x509.CertPool, error) {
 	}
 	caPEM, err := os.ReadFile(tc.CAFile)
 	if err != nil {
-		return bad("p2p_tls_ca", tc.CAFile, err)
+		return bad("p2p_tls_ca", "", err)
 	}
 	pool := x509.NewCertPool()
 	if !pool.AppendCertsFromPEM(caPEM) {
