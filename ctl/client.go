@@ -131,7 +131,8 @@ type Status struct {
 	HasPendingWork bool   `json:"has_pending_work"`
 	Poll           string `json:"poll"`
 	P2P            string `json:"p2p"`
-	// P2PAuth is "token" or "none" (the P2P port is unauthenticated).
+	// P2PAuth is "token", "tls", "token+tls" or "none" (the P2P port is
+	// unauthenticated).
 	P2PAuth string `json:"p2p_auth"`
 	// P2PHealth is the P2P port's accept loop.
 	P2PHealth P2PHealth `json:"p2p_health"`

@@ -85,7 +85,7 @@ func Start(cfg Config, log *slog.Logger) (*Node, error) {
 		m.Close()
 		return nil, err
 	}
-	if cfg.ClusterToken == "" {
+	if cfg.ClusterToken == "" && cfg.TLSCert == "" {
 		log.Warn("no cluster token: the P2P port is unauthenticated; anyone who can reach it can fetch KV blocks and inject data into fetches (set cluster_token_file)",
 			"p2p", n.P2P.Addr())
 	}
@@ -106,12 +106,19 @@ func readToken(path string) (string, error) {
 	return tok, nil
 }
 
-// p2pAuth is status's p2p_auth: how peers are authenticated.
+// p2pAuth is status's p2p_auth: how peers are authenticated — "token"
+// (cluster token), "tls" (certificates of the cluster CA), "token+tls",
+// or "none".
 func (n *Node) p2pAuth() string {
-	if n.cfg.ClusterToken == "" {
-		return "none"
+	switch tok, tls := n.cfg.ClusterToken != "", n.cfg.TLSCert != ""; {
+	case tok && tls:
+		return "token+tls"
+	case tls:
+		return "tls"
+	case tok:
+		return "token"
 	}
-	return "token"
+	return "none"
 }
 
 // listen opens the admin socket (0600; see listenAdmin) and, if

@@ -33,6 +33,13 @@ type Config struct {
 	// ClusterToken, when set, must be held by every peer (HMAC
 	// challenge-response; the token never travels).
 	ClusterToken string `json:"cluster_token"`
+	// TLSCert, TLSKey and TLSCA, all three or none, turn on mutual TLS
+	// for every control and TCP data connection (TLSNetwork): this node's
+	// certificate and key, and the cluster CA that every peer's
+	// certificate must chain to (PEM files, read at start).
+	TLSCert string `json:"p2p_tls_cert"`
+	TLSKey  string `json:"p2p_tls_key"`
+	TLSCA   string `json:"p2p_tls_ca"`
 
 	LookupHold        offload.Duration `json:"lookup_hold"`
 	PinHold           offload.Duration `json:"pin_hold"`
@@ -126,6 +133,31 @@ func (c *Config) Validate() error {
 		return fmt.Errorf("%w: p2p_listen: empty", ErrConfig)
 	case c.DataPlane != "" && c.DataPlane != "tcp" && c.DataPlane != "nixl":
 		return fmt.Errorf("%w: data_plane: %q (want tcp or nixl)", ErrConfig, c.DataPlane)
+	}
+	return c.validateTLS()
+}
+
+func (c *Config) validateTLS() error {
+	keys := []struct{ key, v string }{{"p2p_tls_cert", c.TLSCert}, {"p2p_tls_key", c.TLSKey}, {"p2p_tls_ca", c.TLSCA}}
+	set := 0
+	for _, k := range keys {
+		if k.v != "" {
+			set++
+		}
+	}
+	switch {
+	case set == 0:
+		return nil
+	case set < len(keys):
+		for _, k := range keys {
+			if k.v == "" {
+				return fmt.Errorf("%w: %s: empty, but the other p2p_tls_ keys are set (TLS needs all three)", ErrConfig, k.key)
+			}
+		}
+	case c.DataPlane == "nixl":
+		// NIXL moves blocks over UCX, outside TLS: refuse rather than send
+		// them in the clear on a network that was declared untrusted.
+		return fmt.Errorf("%w: p2p_tls_cert: TLS covers TCP connections only; data_plane nixl would move blocks unencrypted", ErrConfig)
 	}
 	return nil
 }

@@ -197,6 +197,14 @@ func New(cfg Config, node offload.Config, n Network, env offload.TierEnv) (*Tier
 	if n == nil {
 		n = TCP{}
 	}
+	if cfg.TLSCert != "" {
+		var err error
+		n, err = TLSNetwork(n, TLSConfig{CertFile: cfg.TLSCert, KeyFile: cfg.TLSKey, CAFile: cfg.TLSCA,
+			HandshakeTimeout: time.Duration(cfg.HandshakeTimeout), Logger: env.Logger})
+		if err != nil {
+			return nil, err
+		}
+	}
 	log := env.Logger
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)

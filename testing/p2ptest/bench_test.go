@@ -23,11 +23,28 @@ import (
 // ratio (x-plain, target ≥ 0.9). The consumer's cache is reset between
 // iterations, outside the timing, and a warm-up round of each side runs
 // before the timed ones.
-func BenchmarkFetch(b *testing.B) {
+func BenchmarkFetch(b *testing.B) { benchFetch(b, nil) }
+
+// BenchmarkFetchTLS is BenchmarkFetch with mutual TLS on between the two
+// managers (p2p_tls_cert, p2p_tls_key, p2p_tls_ca, from a throwaway CA);
+// the plain baseline stays plain TCP, so x-plain includes TLS's cost.
+func BenchmarkFetchTLS(b *testing.B) {
+	if DataPlane == "nixl" {
+		b.Skip("TLS covers the TCP data plane only")
+	}
+	benchFetch(b, TLS(b))
+}
+
+// benchFetch is B1a; tls, when not nil, gives each node's config edit.
+func benchFetch(b *testing.B, tls func(name string) func(*p2p.Config)) {
 	g := offload.Geometries["qwen3-0.6b"]
 	const n = 576
-	prod := NewNode(b, g, n, nil, nil)
-	cons := NewNode(b, g, n, nil, nil)
+	edit := func(string) func(*p2p.Config) { return nil }
+	if tls != nil {
+		edit = tls
+	}
+	prod := NewNode(b, g, n, nil, edit("producer"))
+	cons := NewNode(b, g, n, nil, edit("consumer"))
 	keys := Keys(7, n, g.BlockTokens)
 	prod.Store(b, keys)
 	total := float64(n * g.BlockBytes())

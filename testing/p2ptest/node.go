@@ -11,6 +11,7 @@ import (
 
 	"github.com/kvtier/kvtier/offload"
 	"github.com/kvtier/kvtier/p2pd/p2p"
+	"github.com/kvtier/kvtier/testing/pki"
 )
 
 // Node is a tiering manager with a P2P tier.
@@ -170,4 +171,23 @@ func (n *Node) Stat(name string) float64 {
 		}
 	}
 	return -1
+}
+
+// TLS returns config edits that give each node a certificate of one
+// throwaway cluster CA (files in t's temporary directory), turning on the
+// P2P tier's mutual TLS.
+func TLS(t testing.TB) func(name string) func(*p2p.Config) {
+	t.Helper()
+	dir := t.TempDir()
+	ca, err := pki.NewCA(dir, "kvtier-test-ca")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return func(name string) func(*p2p.Config) {
+		f, err := ca.Node(name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return func(c *p2p.Config) { c.TLSCert, c.TLSKey, c.TLSCA = f.Cert, f.Key, f.CA }
+	}
 }

@@ -7,8 +7,10 @@
 // prints one table — project, baseline, ratio, target, verdict — and
 // writes the same as JSON.
 //
-//	kvbench [-bin bin] [-blocks 576] [-data-planes tcp,nixl] [-json kvbench.json]
+//	kvbench [-bin bin] [-blocks 576] [-data-planes tcp,tcp+tls,nixl] [-json kvbench.json]
 //
+// A data plane named with a +tls suffix runs with the P2P tier's mutual
+// TLS on (p2p_tls_*, certificates from a throwaway CA).
 // B2–B4 and M1 run on the first data plane's daemons.
 package main
 
@@ -31,6 +33,7 @@ import (
 
 	"github.com/kvtier/kvtier/ctl"
 	"github.com/kvtier/kvtier/testing/daemon"
+	"github.com/kvtier/kvtier/testing/pki"
 )
 
 // Row is one line of the table.
@@ -52,7 +55,7 @@ func main() {
 	bin := flag.String("bin", "bin", "directory with p2pd (make build)")
 	blocks := flag.Int("blocks", 576, "blocks in the prompt")
 	rounds := flag.Int("rounds", 3, "timed rounds of B1")
-	planes := flag.String("data-planes", "tcp", "P2P data planes to measure B1 over (nixl needs p2pd built with make build-nixl)")
+	planes := flag.String("data-planes", "tcp", "P2P data planes to measure B1 over: tcp, tcp+tls (mutual TLS on, certificates from a throwaway CA), nixl (needs p2pd built with make build-nixl)")
 	out := flag.String("json", "kvbench.json", "where to write the table as JSON")
 	flag.Parse()
 	rows, err := run(*bin, strings.Split(*planes, ","), *blocks, *rounds)
@@ -102,12 +105,31 @@ func startPair(dir, bin, plane string, blocks int) (*pair, error) {
 	// A whole 1 GiB prompt is promoted as one batch; on a slow machine that
 	// can take longer than the default 5 s HitPending bound, which would
 	// (correctly) make the consumer recompute instead of fetching.
-	args := []string{"-hit-pending-timeout", "60s", "-data-plane", plane}
-	prod, err := daemon.Start(dir, bin, "producer-"+plane, slots, args...)
+	base, withTLS := strings.CutSuffix(plane, "+tls")
+	args := []string{"-hit-pending-timeout", "60s", "-data-plane", base}
+	var prodTLS, consTLS []string
+	if withTLS {
+		// Mutual TLS between the two daemons, from a throwaway CA.
+		ca, err := pki.NewCA(dir, "kvbench-"+plane)
+		if err != nil {
+			return nil, err
+		}
+		for _, x := range []struct {
+			name string
+			args *[]string
+		}{{"producer-" + plane, &prodTLS}, {"consumer-" + plane, &consTLS}} {
+			f, err := ca.Node(x.name)
+			if err != nil {
+				return nil, err
+			}
+			*x.args = f.Args()
+		}
+	}
+	prod, err := daemon.Start(dir, bin, "producer-"+plane, slots, append(args, prodTLS...)...)
 	if err != nil {
 		return nil, err
 	}
-	cons, err := daemon.Start(dir, bin, "consumer-"+plane, slots, args...)
+	cons, err := daemon.Start(dir, bin, "consumer-"+plane, slots, append(args, consTLS...)...)
 	if err != nil {
 		prod.Kill()
 		return nil, err
