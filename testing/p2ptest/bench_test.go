@@ -35,6 +35,13 @@ func BenchmarkFetchTLS(b *testing.B) {
 	benchFetch(b, TLS(b))
 }
 
+// BenchmarkFetchToken is BenchmarkFetch with a cluster token: every
+// control and data connection authenticates (docs/security.md). The
+// target is within 5 % of BenchmarkFetch's x-plain.
+func BenchmarkFetchToken(b *testing.B) {
+	benchFetch(b, func(string) func(*p2p.Config) { return func(c *p2p.Config) { c.ClusterToken = "bench-token" } })
+}
+
 // benchFetch is B1a; tls, when not nil, gives each node's config edit.
 func benchFetch(b *testing.B, tls func(name string) func(*p2p.Config)) {
 	g := offload.Geometries["qwen3-0.6b"]
@@ -135,9 +142,28 @@ func plainCopy(b testing.TB, src, dst *offload.Arena, n, conns int) {
 // hold the keys, so nothing is promoted and every iteration asks the peer
 // again. It reports p50 and p99 of both and the p50 ratio (x-plain,
 // target ≤ 2).
-func BenchmarkLookupRTT(b *testing.B) {
-	prod := NewNode(b, tiny, 64, nil, nil)
-	cons := NewNode(b, tiny, 64, nil, nil)
+func BenchmarkLookupRTT(b *testing.B) { benchLookupRTT(b, nil) }
+
+// BenchmarkLookupRTTToken is B5 with a cluster token on both nodes.
+func BenchmarkLookupRTTToken(b *testing.B) {
+	benchLookupRTT(b, func(string) func(*p2p.Config) { return func(c *p2p.Config) { c.ClusterToken = "bench-token" } })
+}
+
+// BenchmarkLookupRTTTLS is B5 with mutual TLS between the two nodes.
+func BenchmarkLookupRTTTLS(b *testing.B) {
+	if DataPlane == "nixl" {
+		b.Skip("TLS covers the TCP data plane only")
+	}
+	benchLookupRTT(b, TLS(b))
+}
+
+// benchLookupRTT is B5; edit, when not nil, gives each node's config edit.
+func benchLookupRTT(b *testing.B, edit func(name string) func(*p2p.Config)) {
+	if edit == nil {
+		edit = func(string) func(*p2p.Config) { return nil }
+	}
+	prod := NewNode(b, tiny, 64, nil, edit("producer"))
+	cons := NewNode(b, tiny, 64, nil, edit("consumer"))
 	keys := Keys(9, 16, tiny.BlockTokens)
 	var rtts []time.Duration
 	i := 0

@@ -7,8 +7,10 @@
 // prints one table — project, baseline, ratio, target, verdict — and
 // writes the same as JSON.
 //
-//	kvbench [-bin bin] [-blocks 576] [-data-planes tcp,tcp+tls,nixl] [-json kvbench.json]
+//	kvbench [-bin bin] [-blocks 576] [-data-planes tcp,tcp+token,tcp+token+tls,nixl] [-json kvbench.json]
 //
+// A data plane named with a +token suffix (before any +tls) runs with a
+// cluster token on both daemons, so every connection authenticates.
 // A data plane named with a +tls suffix runs with the P2P tier's mutual
 // TLS on (p2p_tls_*, certificates from a throwaway CA).
 // B2–B4 and M1 run on the first data plane's daemons.
@@ -24,6 +26,7 @@ import (
 	"net/url"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
@@ -55,7 +58,7 @@ func main() {
 	bin := flag.String("bin", "bin", "directory with p2pd (make build)")
 	blocks := flag.Int("blocks", 576, "blocks in the prompt")
 	rounds := flag.Int("rounds", 3, "timed rounds of B1")
-	planes := flag.String("data-planes", "tcp", "P2P data planes to measure B1 over: tcp, tcp+tls (mutual TLS on, certificates from a throwaway CA), nixl (needs p2pd built with make build-nixl)")
+	planes := flag.String("data-planes", "tcp", "P2P data planes to measure B1 over: tcp, tcp+token (a cluster token on both daemons), tcp+tls (mutual TLS on, certificates from a throwaway CA), tcp+token+tls, nixl (needs p2pd built with make build-nixl)")
 	out := flag.String("json", "kvbench.json", "where to write the table as JSON")
 	flag.Parse()
 	rows, err := run(*bin, strings.Split(*planes, ","), *blocks, *rounds)
@@ -106,7 +109,15 @@ func startPair(dir, bin, plane string, blocks int) (*pair, error) {
 	// can take longer than the default 5 s HitPending bound, which would
 	// (correctly) make the consumer recompute instead of fetching.
 	base, withTLS := strings.CutSuffix(plane, "+tls")
+	base, withToken := strings.CutSuffix(base, "+token")
 	args := []string{"-hit-pending-timeout", "60s", "-data-plane", base}
+	if withToken {
+		tok := filepath.Join(dir, "token-"+plane)
+		if err := os.WriteFile(tok, []byte("kvbench-token\n"), 0o600); err != nil {
+			return nil, err
+		}
+		args = append(args, "-cluster-token-file", tok)
+	}
 	var prodTLS, consTLS []string
 	if withTLS {
 		// Mutual TLS between the two daemons, from a throwaway CA.
