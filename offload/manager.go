@@ -45,7 +45,7 @@ type Manager struct {
 		counters  counters
 		panicLogs []failureLog // per secondary tier, rate-limits panic logs (S2.11)
 
-		deadlineTimer *time.Timer // fires at deadlineAt, the nearest HitPending deadline
+		deadlineTimer *time.Timer // fires at deadlineAt, the nearest HitPending or Retry deadline
 		deadlineAt    time.Time
 	}
 }
@@ -304,8 +304,7 @@ func (m *Manager) lookupTiersLocked(k Key, req *Request, exclude int) Result {
 		if i == exclude || !req.allows(&m.specs[i]) {
 			continue
 		}
-		tr := Miss // also when the tier panics (S2.11)
-		m.tierCall(i, "lookup", func() { tr = t.Lookup(k, req) })
+		tr := m.lookupTierLocked(i, t, k, req)
 		if tr == HitPending {
 			m.misuseLocked("tier lookup", "tier_hit_pending", fmt.Errorf("tier %d (%s) answered hit_pending for %v; treated as retry", i, m.specs[i].Name, k))
 			tr = Retry
@@ -327,6 +326,18 @@ func (m *Manager) lookupTiersLocked(k Key, req *Request, exclude int) Result {
 		return Retry
 	}
 	return Miss
+}
+
+// lookupTierLocked asks tier i about k; a panic answers Miss (S2.11). It
+// is tierCall without the closure, for the lookup path (B5).
+func (m *Manager) lookupTierLocked(i int, t Tier, k Key, req *Request) (r Result) {
+	defer func() {
+		if v := recover(); v != nil {
+			m.tierPanickedLocked(i, "lookup", v)
+			r = Miss
+		}
+	}()
+	return t.Lookup(k, req)
 }
 
 // promoteLocked reserves a CPU slot for k and queues it on the (tier, req)
@@ -463,11 +474,12 @@ func (s *Step) Touch(keys []Key, req *Request) {
 
 // PrepareStore reserves CPU slots for the keys of keys that are not
 // resident, evicting idle blocks if needed (S2.4). A key that a promotion
-// is still writing counts as not resident: the computed block replaces it,
-// and the promotion, whenever it ends, never makes its slot readable. It returns nil, nil when
-// not enough blocks can be evicted. Every non-empty plan must be followed
-// by exactly one CompleteStore. Keys already resident are cascaded to the
-// tiers that asked for whole requests.
+// is still writing counts as not resident: the computed block replaces
+// it, and the promotion, whenever it ends, never makes its slot readable.
+// It returns nil, nil when not enough blocks can be evicted. Every
+// non-empty plan must be followed by exactly one CompleteStore. Keys
+// already resident are cascaded to the tiers that asked for whole
+// requests.
 func (s *Step) PrepareStore(keys []Key, req *Request) (*StorePlan, error) {
 	if err := s.check("prepare store"); err != nil {
 		return nil, err

@@ -8,8 +8,10 @@ import (
 
 // Panic-safe calls into tiers (S2.11). Every call the manager makes into a
 // secondary tier — on the engine's step, in a poll pass, a reset, Metrics,
-// HasPendingWork and Close — goes through tierCall, so a panicking tier
-// becomes that tier's error: it is logged (the first panic of a tier with
+// HasPendingWork and Close — goes through tierCall (Lookup through
+// lookupTierLocked, the same recovery without a closure, which the
+// per-key lookup path cannot afford: B5), so a panicking tier becomes
+// that tier's error: it is logged (the first panic of a tier with
 // its stack, then at most one line per tier every 30 s), counted in
 // kv_offload_tiering_tier_panics_total, and the process keeps serving.
 
