@@ -40,8 +40,9 @@ type Config struct {
 	// poll goroutine: every tier is serviced by engine steps only.
 	TierPollInterval Duration `json:"tier_poll_interval"`
 	// HitPendingTimeout bounds how long one (request, key) may answer
-	// HitPending; afterwards it answers Miss for the rest of the request
-	// (S4.1). Must be positive.
+	// HitPending or Retry, from its first such answer; afterwards it
+	// answers Miss for the rest of the request (S4.1, S4.7). Must be
+	// positive.
 	HitPendingTimeout Duration `json:"hit_pending_timeout"`
 	// DiskConfig configures the disk tier (disk_dir, disk_bytes, …); the
 	// manager does not build it: pass DiskTier(cfg.DiskConfig) to New.

@@ -87,7 +87,9 @@ type CPUTier struct {
 	fresh   int32  // slots [fresh, N) have never been used
 	stamp   uint64 // current lock hold; see lookupProtect
 	// detached holds entries that Reset removed while a writer or a reader
-	// still held them: their slots are not reused until released.
+	// still held them, and promotions a store superseded (reserveStore):
+	// their slots are not reused until released. Each shrinks when its
+	// holder commits, unpins or is released.
 	detached  map[Key][]*cpuEntry
 	ndetached int
 	free      []int32 // freed slots, reused last in first out
@@ -158,8 +160,22 @@ func (c *CPUTier) freeSlots() int { return c.arena.Slots() - len(c.entries) - c.
 // new keys with their slots in input order and the evicted keys, or
 // ok=false and changes nothing when not enough blocks can be evicted.
 func (c *CPUTier) Reserve(keys []Key, writer Owner) (added []Key, slots []int32, evicted []Key, ok bool) {
+	return c.reserve(keys, writer, false)
+}
+
+// reserveStore is Reserve for a store of blocks the engine computed: a key
+// that a job (a promotion) is still writing is reserved anew as well. The
+// promotion's slot is detached from the key — invisible, never made
+// readable, freed only when the job commits — so a stalled promotion
+// neither keeps the computed block out nor overwrites it later.
+func (c *CPUTier) reserveStore(keys []Key, writer Owner) (added []Key, slots []int32, evicted []Key, ok bool) {
+	return c.reserve(keys, writer, true)
+}
+
+func (c *CPUTier) reserve(keys []Key, writer Owner, supersede bool) (added []Key, slots []int32, evicted []Key, ok bool) {
 	for i, k := range keys {
-		if _, ok := c.entries[k]; !ok && !slices.Contains(keys[:i], k) {
+		e, ok := c.entries[k]
+		if (!ok || supersede && e.writing && e.writer.Req == "") && !slices.Contains(keys[:i], k) {
 			added = append(added, k)
 		}
 	}
@@ -178,6 +194,14 @@ func (c *CPUTier) Reserve(keys []Key, writer Owner) (added []Key, slots []int32,
 		}
 		c.evictions += uint64(len(evicted))
 		c.report(EventRemoved, evicted)
+	}
+	for _, k := range added {
+		if e, ok := c.entries[k]; ok { // a promotion's write, superseded
+			c.policy.Remove(k)
+			delete(c.entries, k)
+			c.writing--
+			c.detach(k, e)
+		}
 	}
 	now := time.Now()
 	slots = make([]int32, len(added))
@@ -364,6 +388,16 @@ func (c *CPUTier) freeDetached(k Key, d *cpuEntry) {
 	c.free = append(c.free, d.slot)
 }
 
+// detach keeps e, removed from entries, from reuse until its writer or
+// readers release it.
+func (c *CPUTier) detach(k Key, e *cpuEntry) {
+	if c.detached == nil {
+		c.detached = make(map[Key][]*cpuEntry)
+	}
+	c.detached[k] = append(c.detached[k], e)
+	c.ndetached++
+}
+
 // Reset empties the tier (a cache reset, S5.1): every block is removed,
 // with no removal event (the manager reports the reset as EventCleared).
 // Blocks that a writer or a reader still holds become detached: invisible
@@ -373,11 +407,7 @@ func (c *CPUTier) Reset() {
 	for k, e := range c.entries {
 		c.policy.Remove(k)
 		if e.writing || len(e.pins) > 0 {
-			if c.detached == nil {
-				c.detached = make(map[Key][]*cpuEntry)
-			}
-			c.detached[k] = append(c.detached[k], e)
-			c.ndetached++
+			c.detach(k, e)
 			continue
 		}
 		c.free = append(c.free, e.slot)
@@ -438,7 +468,8 @@ type CPUStats struct {
 	StoredBytes    uint64 `json:"stored_bytes"`
 	Policy         string `json:"policy"`
 	// Detached counts slots a cache reset removed while a transfer still
-	// held them; they are reused once released.
+	// held them, and slots of promotions a store superseded; they are
+	// reused once released.
 	Detached int `json:"detached"`
 }
 

@@ -2,31 +2,52 @@ package offload
 
 import "time"
 
-// Bounded HitPending (S4). The first HitPending of a (request, key) starts
-// a deadline of hit_pending_timeout; after it the pair answers a stable
-// Miss. One timer fires at the nearest deadline, expires what is due and
-// signals progress so that a sleeping engine looks again.
+// Bounded HitPending and Retry (S4). The first unsettled answer (HitPending
+// or Retry) of a (request, key) starts a deadline of hit_pending_timeout;
+// after it the pair answers a stable Miss. One timer fires at the nearest
+// deadline, expires what is due and signals progress so that a sleeping
+// engine looks again.
+
+// Timeout reasons: the unsettled answer a (request, key) gave last before
+// its deadline expired, the reason label of
+// kv_offload_tiering_hit_pending_timeouts_total.
+const (
+	timeoutHitPending = iota
+	timeoutRetry
+)
+
+var timeoutReasons = [2]string{"hit_pending", "retry"}
+
+// deadline is the unsettled state of one (request, key).
+type deadline struct {
+	at    time.Time // when the pair turns into a stable Miss
+	retry bool      // the last unsettled answer was Retry, not HitPending
+}
 
 // trackPendingLocked records or checks the deadline of (st, k) for the
-// answer r and returns the answer to give.
+// answer r and returns the answer to give. The deadline starts at the first
+// HitPending or Retry and is never refreshed, also not when the answer
+// alternates between the two (S4.2, S4.7).
 func (m *Manager) trackPendingLocked(st *reqState, k Key, r Result) Result {
 	switch r {
-	case HitPending:
+	case HitPending, Retry:
 		now := time.Now()
 		d, ok := st.deadlines[k]
 		if !ok {
 			if st.deadlines == nil {
-				st.deadlines = make(map[Key]time.Time)
+				st.deadlines = make(map[Key]deadline)
 			}
-			d = now.Add(m.hitTimeout)
-			st.deadlines[k] = d
-			m.armDeadlineLocked(d)
+			at := now.Add(m.hitTimeout)
+			st.deadlines[k] = deadline{at: at, retry: r == Retry}
+			m.armDeadlineLocked(at)
 			return r
 		}
-		if !now.Before(d) {
-			m.expireLocked(st, k)
+		d.retry = r == Retry
+		if !now.Before(d.at) {
+			m.expireLocked(st, k, d)
 			return Miss
 		}
+		st.deadlines[k] = d
 	case Hit, Miss:
 		if len(st.deadlines) > 0 {
 			delete(st.deadlines, k) // resolved (S4.3)
@@ -35,13 +56,17 @@ func (m *Manager) trackPendingLocked(st *reqState, k Key, r Result) Result {
 	return r
 }
 
-func (m *Manager) expireLocked(st *reqState, k Key) {
+func (m *Manager) expireLocked(st *reqState, k Key, d deadline) {
 	delete(st.deadlines, k)
 	if st.expired == nil {
 		st.expired = make(map[Key]struct{})
 	}
 	st.expired[k] = struct{}{}
-	m.mu.counters.hitPendingTimeouts++
+	reason := timeoutHitPending
+	if d.retry {
+		reason = timeoutRetry
+	}
+	m.mu.counters.timeouts[reason]++
 }
 
 // armDeadlineLocked makes the timer fire no later than d.
@@ -74,11 +99,11 @@ func (m *Manager) onDeadline() {
 	expired := false
 	for _, st := range m.mu.reqs {
 		for k, d := range st.deadlines {
-			if !now.Before(d) {
-				m.expireLocked(st, k)
+			if !now.Before(d.at) {
+				m.expireLocked(st, k, d)
 				expired = true
-			} else if next.IsZero() || d.Before(next) {
-				next = d
+			} else if next.IsZero() || d.at.Before(next) {
+				next = d.at
 			}
 		}
 	}

@@ -15,4 +15,6 @@ var (
 	ErrNoStore        = errors.New("offload: no store in flight")
 	ErrStepEnded      = errors.New("offload: step already ended")
 	ErrClosed         = errors.New("offload: manager closed")
+	// ErrTierPanic wraps a panic recovered from a call into a tier (S2.11).
+	ErrTierPanic = errors.New("offload: tier panicked")
 )

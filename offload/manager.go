@@ -44,8 +44,9 @@ type Manager struct {
 		reqs      map[string]*reqState
 		parked    []*reqState // requests with parked cascade keys, in order
 		counters  counters
+		panicLogs []failureLog // per secondary tier, rate-limits panic logs (S2.11)
 
-		deadlineTimer *time.Timer // fires at deadlineAt, the nearest HitPending deadline
+		deadlineTimer *time.Timer // fires at deadlineAt, the nearest HitPending or Retry deadline
 		deadlineAt    time.Time
 	}
 }
@@ -57,9 +58,10 @@ type reqState struct {
 	requestLevel  []int // tiers that asked for RequestLevel, ascending
 	parked        []Key // cascade keys still writing in the CPU tier
 	sources       map[Key]int
-	// deadlines holds, per key that answered HitPending, when it turns
-	// into a stable Miss (S4.1); expired holds the keys that did.
-	deadlines map[Key]time.Time
+	// deadlines holds, per key that answered HitPending or Retry and has
+	// not settled, when it turns into a stable Miss (S4.1, S4.7); expired
+	// holds the keys that did.
+	deadlines map[Key]deadline
 	expired   map[Key]struct{}
 }
 
@@ -119,11 +121,16 @@ func New(cfg Config, specs ...TierSpec) (*Manager, error) {
 	m.mu.jobs = make(map[uint64]*Job)
 	m.mu.reqs = make(map[string]*reqState)
 	m.mu.counters = newCounters(len(specs))
+	m.mu.panicLogs = make([]failureLog, len(specs))
 	polling := m.pollInterval > 0 && slices.ContainsFunc(specs, func(s TierSpec) bool { return s.Polled })
 	m.pollAlive.Store(polling)
 	for i, s := range specs {
-		t, err := s.New(TierEnv{Index: i, Wake: m.wakeFor(i), Progress: m.signalProgress, Emit: m.emitter(s.Name),
-			Arena: arena, Logger: log.With("tier", s.Name)})
+		var t Tier
+		env := TierEnv{Index: i, Wake: m.wakeFor(i), Progress: m.signalProgress, Emit: m.emitter(s.Name),
+			Arena: arena, Logger: log.With("tier", s.Name)}
+		if perr := m.tierCall(i, "new", func() { t, err = s.New(env) }); perr != nil {
+			err = perr
+		}
 		if err != nil {
 			err = fmt.Errorf("offload: creating tier %d (%s): %w", i, s.Name, err)
 			m.mu.closed = true
@@ -235,7 +242,10 @@ func (m *Manager) misuseLocked(op, reason string, err error) {
 // Lookup answers whether key can be loaded for req (S2.1): Hit when it is
 // ready in the CPU tier; HitPending while it is written there, or when a
 // secondary tier has it and a promotion was queued; Retry while a tier is
-// still finding out; Miss otherwise.
+// still finding out; Miss otherwise. A (request, key) that has not settled
+// within hit_pending_timeout answers Miss from then on (S4.1, S4.7). A
+// request not registered with OnNewRequest is a misuse: Miss, counted
+// (S4.8).
 func (s *Step) Lookup(k Key, req *Request) Result {
 	if s.check("lookup") != nil {
 		return Miss
@@ -268,19 +278,21 @@ func (s *Step) LookupPrefix(keys []Key, req *Request) (hits int, settled bool) {
 
 func (m *Manager) lookupLocked(k Key, req *Request, exclude int) Result {
 	st := req.st
-	if st != nil && st.expired != nil {
+	if st == nil {
+		// S4.8: no state for a request nothing would ever finish.
+		err := fmt.Errorf("lookup: request %s: %w (call OnNewRequest first)", req.ID, ErrUnknownRequest)
+		m.misuseLocked("lookup", "unknown_request", err)
+		return Miss
+	}
+	if st.expired != nil {
 		if _, ok := st.expired[k]; ok {
-			return Miss // S4.1: stable after the deadline, no new promotion
+			return Miss // S4.1, S4.7: stable after the deadline, no new promotion
 		}
 	}
 	if m.mu.resetting {
 		return Miss // S5.1: nothing new starts while the cache resets
 	}
-	r := m.lookupTiersLocked(k, req, exclude)
-	if st != nil {
-		r = m.trackPendingLocked(st, k, r)
-	}
-	return r
+	return m.trackPendingLocked(st, k, m.lookupTiersLocked(k, req, exclude))
 }
 
 func (m *Manager) lookupTiersLocked(k Key, req *Request, exclude int) Result {
@@ -295,7 +307,7 @@ func (m *Manager) lookupTiersLocked(k Key, req *Request, exclude int) Result {
 		if i == exclude || !req.allows(&m.specs[i]) {
 			continue
 		}
-		tr := t.Lookup(k, req)
+		tr := m.lookupTierLocked(i, t, k, req)
 		if tr == HitPending {
 			m.misuseLocked("tier lookup", "tier_hit_pending", fmt.Errorf("tier %d (%s) answered hit_pending for %v; treated as retry", i, m.specs[i].Name, k))
 			tr = Retry
@@ -317,6 +329,18 @@ func (m *Manager) lookupTiersLocked(k Key, req *Request, exclude int) Result {
 		return Retry
 	}
 	return Miss
+}
+
+// lookupTierLocked asks tier i about k; a panic answers Miss (S2.11). It
+// is tierCall without the closure, for the lookup path (B5).
+func (m *Manager) lookupTierLocked(i int, t Tier, k Key, req *Request) (r Result) {
+	defer func() {
+		if v := recover(); v != nil {
+			m.tierPanickedLocked(i, "lookup", v)
+			r = Miss
+		}
+	}()
+	return t.Lookup(k, req)
 }
 
 // promoteLocked reserves a CPU slot for k and queues it on the (tier, req)
@@ -366,9 +390,26 @@ func (m *Manager) flushPromotionsLocked() {
 	for _, j := range pending {
 		j.Submitted = now
 		m.mu.jobs[j.ID] = j
-		m.mu.tiers[j.Tier].SubmitLoad(j)
-		m.submitted(j.Tier)
+		m.submitLocked(j)
 	}
+}
+
+// submitLocked hands job j, already in the job table, to its tier. If the
+// tier panics (S2.11) the job fails at once, as if the tier had reported
+// it failed: a promotion frees its slots, a cascade its pins.
+func (m *Manager) submitLocked(j *Job) error {
+	t := m.mu.tiers[j.Tier]
+	op, submit := "submit store", t.SubmitStore
+	if j.Promotion {
+		op, submit = "submit load", t.SubmitLoad
+	}
+	if err := m.tierCall(j.Tier, op, func() { submit(j) }); err != nil {
+		m.applyResultLocked(j.Tier, JobResult{ID: j.ID})
+		m.signalProgress()
+		return err
+	}
+	m.submitted(j.Tier)
+	return nil
 }
 
 // submitted starts the poll goroutine polling a polled tier that was just
@@ -427,18 +468,21 @@ func (s *Step) Touch(keys []Key, req *Request) {
 		return
 	}
 	s.m.mu.cpu.Touch(keys)
-	for _, t := range s.m.mu.tiers {
+	for i, t := range s.m.mu.tiers {
 		if tt, ok := t.(Toucher); ok {
-			tt.Touch(keys, req)
+			s.m.tierCall(i, "touch", func() { tt.Touch(keys, req) })
 		}
 	}
 }
 
 // PrepareStore reserves CPU slots for the keys of keys that are not
-// resident, evicting idle blocks if needed (S2.4). It returns nil, nil when
-// not enough blocks can be evicted. Every non-empty plan must be followed
-// by exactly one CompleteStore. Keys already resident are cascaded to the
-// tiers that asked for whole requests.
+// resident, evicting idle blocks if needed (S2.4). A key that a promotion
+// is still writing counts as not resident: the computed block replaces
+// it, and the promotion, whenever it ends, never makes its slot readable.
+// It returns nil, nil when not enough blocks can be evicted. Every
+// non-empty plan must be followed by exactly one CompleteStore. Keys
+// already resident are cascaded to the tiers that asked for whole
+// requests.
 func (s *Step) PrepareStore(keys []Key, req *Request) (*StorePlan, error) {
 	if err := s.check("prepare store"); err != nil {
 		return nil, err
@@ -453,7 +497,10 @@ func (s *Step) PrepareStore(keys []Key, req *Request) (*StorePlan, error) {
 	if m.mu.resetting {
 		return nil, nil // S5.1: nothing new starts while the cache resets
 	}
-	added, slots, evicted, ok := m.mu.cpu.Reserve(keys, RequestOwner(req.ID))
+	// A block still being promoted is stored all the same: the engine
+	// computed it, typically after the promotion stalled past
+	// hit_pending_timeout (S4.1); the promotion's slot is detached.
+	added, slots, evicted, ok := m.mu.cpu.reserveStore(keys, RequestOwner(req.ID))
 	if !ok {
 		return nil, nil
 	}
@@ -516,8 +563,7 @@ func (m *Manager) cascadeLocked(keys []Key, req *Request, tier int) {
 	if err != nil || j == nil {
 		return
 	}
-	m.mu.tiers[tier].SubmitStore(j)
-	m.submitted(tier)
+	m.submitLocked(j)
 }
 
 // CreateStoreJob pins keys, which must be ready, for a cascade to tier and
@@ -532,8 +578,9 @@ func (s *Step) CreateStoreJob(keys []Key, req *Request, tier int) (*Job, error) 
 	}
 	j, err := s.m.createStoreJobLocked(keys, req, tier)
 	if j != nil {
-		s.m.mu.tiers[tier].SubmitStore(j)
-		s.m.submitted(tier)
+		if err := s.m.submitLocked(j); err != nil {
+			return nil, fmt.Errorf("create store job for tier %d: %w", tier, err)
+		}
 	}
 	return j, err
 }
@@ -622,7 +669,13 @@ func (m *Manager) onNewRequestLocked(req *Request, exclude int) (Level, error) {
 	req.st = st
 	lvl := ChunkLevel
 	for i, t := range m.mu.tiers {
-		if h, ok := t.(RequestHooks); ok && i != exclude && h.OnNewRequest(req) == RequestLevel {
+		h, ok := t.(RequestHooks)
+		if !ok || i == exclude {
+			continue
+		}
+		l := ChunkLevel // also when the tier panics (S2.11)
+		m.tierCall(i, "new request", func() { l = h.OnNewRequest(req) })
+		if l == RequestLevel {
 			st.requestLevel = append(st.requestLevel, i)
 			lvl = RequestLevel
 		}
@@ -665,7 +718,7 @@ func (m *Manager) finalizeLocked(st *reqState, exclude int) {
 	st.req.st = nil
 	for i, t := range m.mu.tiers {
 		if h, ok := t.(RequestHooks); ok && i != exclude {
-			h.OnRequestFinished(st.req)
+			m.tierCall(i, "request finished", func() { h.OnRequestFinished(st.req) })
 		}
 	}
 }
@@ -712,9 +765,9 @@ func (s *Step) OnScheduleEnd() {
 		return
 	}
 	m.serviceLocked()
-	for _, t := range m.mu.tiers {
+	for i, t := range m.mu.tiers {
 		if e, ok := t.(StepEnder); ok {
-			e.OnScheduleEnd()
+			m.tierCall(i, "schedule end", e.OnScheduleEnd)
 		}
 	}
 }
@@ -725,7 +778,7 @@ func (m *Manager) serviceLocked() {
 	m.collectLocked(nil)
 	for i, t := range m.mu.tiers {
 		if srv, ok := t.(Server); ok {
-			if err := srv.Serve(&parent{m: m, tier: i}); err != nil {
+			if err := m.serveLocked(i, srv); err != nil {
 				m.log.Warn("offload: tier failed serving", "tier", m.specs[i].Name, "err", err)
 			}
 		}
@@ -735,15 +788,37 @@ func (m *Manager) serviceLocked() {
 	m.flushParkedLocked()
 }
 
+// serveLocked lets tier i serve outside requests; a panic is its error
+// (S2.11).
+func (m *Manager) serveLocked(i int, srv Server) (err error) {
+	if perr := m.tierCall(i, "serve", func() { err = srv.Serve(&parent{m: m, tier: i}) }); perr != nil {
+		return perr
+	}
+	return err
+}
+
+// pendingLocked asks tier i whether it has outstanding work. A panic is
+// its error (S2.11) and answers false.
+func (m *Manager) pendingLocked(i int, p Pender) (pending bool, err error) {
+	err = m.tierCall(i, "pending", func() { pending = p.Pending() })
+	return pending, err
+}
+
 // collectLocked applies the results the tiers reported: every tier, or
-// those for which only returns true.
-func (m *Manager) collectLocked(only func(tier int) bool) {
+// those for which only returns true. It returns the panics of tiers
+// (S2.11), each of which reported nothing this time.
+func (m *Manager) collectLocked(only func(tier int) bool) error {
 	got := false
+	var errs []error
 	for i, t := range m.mu.tiers {
 		if only != nil && !only(i) {
 			continue
 		}
-		for _, r := range t.Finished() {
+		var results []JobResult
+		if err := m.tierCall(i, "finished", func() { results = t.Finished() }); err != nil {
+			errs = append(errs, err)
+		}
+		for _, r := range results {
 			m.applyResultLocked(i, r)
 			got = true
 		}
@@ -751,6 +826,7 @@ func (m *Manager) collectLocked(only func(tier int) bool) {
 	if got {
 		m.signalProgress()
 	}
+	return errors.Join(errs...)
 }
 
 func (m *Manager) applyResultLocked(tier int, r JobResult) {
@@ -852,8 +928,10 @@ func (m *Manager) HasPendingWork() bool {
 		if byPoll(i) {
 			continue
 		}
-		if p, ok := t.(Pender); ok && p.Pending() {
-			return true
+		if p, ok := t.(Pender); ok {
+			if pending, _ := m.pendingLocked(i, p); pending {
+				return true
+			}
 		}
 		if _, ok := t.(Server); ok && m.specs[i].Polled {
 			return true // serves peers, and only engine steps service it now
@@ -902,7 +980,11 @@ func (m *Manager) closeLocked() error {
 	var errs []error
 	for i, t := range slices.Backward(m.mu.tiers) {
 		if c, ok := t.(io.Closer); ok {
-			if err := c.Close(); err != nil {
+			var err error
+			if perr := m.tierCall(i, "close", func() { err = c.Close() }); perr != nil {
+				err = perr
+			}
+			if err != nil {
 				errs = append(errs, fmt.Errorf("closing tier %d (%s): %w", i, m.specs[i].Name, err))
 			}
 		}

@@ -41,7 +41,8 @@ type counters struct {
 	xfer                   [][2]xferCounter // same index; by direction
 	jobFailures            [][2]uint64      // secondary tier i; [dirRead] promotions, [dirWrite] cascades
 	promotionAllocFailures uint64
-	hitPendingTimeouts     uint64
+	timeouts               [2]uint64 // by reason: timeoutHitPending, timeoutRetry
+	tierPanics             []uint64  // secondary tier i (S2.11)
 	pollErrors             uint64
 	pollBackoffs           uint64
 	resets                 uint64
@@ -53,6 +54,7 @@ func newCounters(tiers int) counters {
 		lookups:     make([][4]uint64, tiers+1),
 		xfer:        make([][2]xferCounter, tiers+1),
 		jobFailures: make([][2]uint64, tiers),
+		tierPanics:  make([]uint64, tiers),
 		errors:      make(map[string]uint64),
 	}
 	for _, r := range errorReasons {
@@ -73,9 +75,11 @@ type Metrics struct {
 	PromotionAllocFailures uint64 `json:"promotion_alloc_failures"`
 	// Errors counts refused misuse by reason (unknown_job, not_ready, …).
 	Errors map[string]uint64 `json:"errors"`
-	// HitPendingTimeouts counts (request, key) pairs whose HitPending
-	// deadline expired (S4.4).
+	// HitPendingTimeouts counts (request, key) pairs whose deadline expired
+	// while they answered HitPending (S4.4); RetryTimeouts those whose
+	// deadline expired while they answered Retry (S4.7).
 	HitPendingTimeouts uint64 `json:"hit_pending_timeouts"`
+	RetryTimeouts      uint64 `json:"retry_timeouts"`
 	// Poll is the poll goroutine's state: running, stopped or disabled.
 	Poll string `json:"poll"`
 	// PollErrors counts failed poll passes (errors or panics from tiers);
@@ -111,6 +115,9 @@ type TierMetrics struct {
 	// ActiveLeases counts the pins the tier holds for peers (S6.5).
 	ActiveLeases int             `json:"active_leases"`
 	Backpressure *AdmissionStats `json:"backpressure,omitempty"`
+	// Panics counts calls into the tier that panicked and were recovered
+	// (S2.11).
+	Panics uint64 `json:"panics"`
 	// Stats are the tier's own metrics (StatsReporter).
 	Stats []Stat `json:"stats,omitempty"`
 }
@@ -127,7 +134,8 @@ func (m *Manager) Metrics() Metrics {
 		Requests:               len(m.mu.reqs),
 		PromotionAllocFailures: c.promotionAllocFailures,
 		Errors:                 maps.Clone(c.errors),
-		HitPendingTimeouts:     c.hitPendingTimeouts,
+		HitPendingTimeouts:     c.timeouts[timeoutHitPending],
+		RetryTimeouts:          c.timeouts[timeoutRetry],
 		Poll:                   m.pollState(),
 		PollErrors:             c.pollErrors,
 		PollBackoffs:           c.pollBackoffs,
@@ -148,8 +156,9 @@ func (m *Manager) Metrics() Metrics {
 				t.Backpressure = &st
 			}
 			if r, ok := m.mu.tiers[i-1].(StatsReporter); ok {
-				t.Stats = r.Stats()
+				m.tierCall(i-1, "stats", func() { t.Stats = r.Stats() })
 			}
+			t.Panics = c.tierPanics[i-1]
 		}
 		out.Tiers = append(out.Tiers, t)
 	}
@@ -221,8 +230,13 @@ func (s Metrics) WritePrometheus(w io.Writer) error {
 	}
 	p.family("kv_offload_tiering_requests", "gauge", "Requests the manager tracks.")
 	p.sample(float64(s.Requests))
-	p.family("kv_offload_tiering_hit_pending_timeouts_total", "counter", "Request and key pairs whose hit_pending deadline expired.")
-	p.sample(float64(s.HitPendingTimeouts))
+	p.family("kv_offload_tiering_hit_pending_timeouts_total", "counter", "Request and key pairs that answered Miss because they had not settled within hit_pending_timeout, by their last answer.")
+	p.sample(float64(s.HitPendingTimeouts), "reason", timeoutReasons[timeoutHitPending])
+	p.sample(float64(s.RetryTimeouts), "reason", timeoutReasons[timeoutRetry])
+	p.family("kv_offload_tiering_tier_panics_total", "counter", "Calls into a secondary tier that panicked and were recovered.")
+	for _, t := range secondary {
+		p.sample(float64(t.Panics), "tier", t.Name)
+	}
 	p.family("kv_offload_tiering_poll_running", "gauge", "1 while the tier-poll goroutine runs.")
 	p.sample(map[bool]float64{true: 1}[s.Poll == "running"])
 	p.family("kv_offload_tiering_poll_errors_total", "counter", "Failed tier-poll passes (errors or panics from tiers).")

@@ -64,6 +64,9 @@ func TestWritePrometheus(t *testing.T) {
 		"kv_offload_cpu_slots 128",
 		"kv_offload_tiering_requests 1",
 		`kv_offload_tiering_errors_total{reason="unknown_job"} 0`,
+		`kv_offload_tiering_hit_pending_timeouts_total{reason="hit_pending"} 0`, // S4.7
+		`kv_offload_tiering_hit_pending_timeouts_total{reason="retry"} 0`,
+		`kv_offload_tiering_tier_panics_total{tier="disk"} 0`, // S2.11
 	} {
 		if !strings.Contains(text, want+"\n") {
 			t.Errorf("missing line %q", want)

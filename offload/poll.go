@@ -95,36 +95,31 @@ func (m *Manager) pollFailed(f *failureLog, err error) {
 // pollPass services the polled tiers once: their results (so the releases
 // they cause are applied here, S3.5), their outside requests, then the
 // promotions queued in the pass (S2.2). It reports whether a polled tier
-// still has pending work, and any error or panic from a tier.
+// still has pending work, and any error from a tier, a panic included
+// (S2.11: every call into a tier is recovered by tierCall).
 func (m *Manager) pollPass() (again bool, err error) {
 	m.mu.Lock()
 	defer m.unlock()
-	defer func() {
-		if r := recover(); r != nil {
-			err = fmt.Errorf("%w: %v", errTierPanic, r)
-		}
-	}()
 	if m.mu.closed {
 		return false, nil
 	}
 	polled := func(i int) bool { return m.specs[i].Polled }
-	m.collectLocked(polled)
-	var errs []error
+	errs := []error{m.collectLocked(polled)}
 	for i, t := range m.mu.tiers {
 		if srv, ok := t.(Server); ok && polled(i) {
-			if e := srv.Serve(&parent{m: m, tier: i}); e != nil {
+			if e := m.serveLocked(i, srv); e != nil {
 				errs = append(errs, fmt.Errorf("tier %d (%s): %w", i, m.specs[i].Name, e))
 			}
 		}
 	}
-	m.collectLocked(polled)
+	errs = append(errs, m.collectLocked(polled))
 	m.flushPromotionsLocked()
 	for i, t := range m.mu.tiers {
-		if p, ok := t.(Pender); ok && polled(i) && p.Pending() {
-			again = true
+		if p, ok := t.(Pender); ok && polled(i) {
+			pending, e := m.pendingLocked(i, p)
+			again = again || pending
+			errs = append(errs, e)
 		}
 	}
 	return again, errors.Join(errs...)
 }
-
-var errTierPanic = errors.New("offload: tier panicked")

@@ -41,9 +41,9 @@ func (m *Manager) ResetCache(ctx context.Context) error {
 		return ErrResetting
 	}
 	m.mu.resetting = true
-	for _, t := range m.mu.tiers {
+	for i, t := range m.mu.tiers {
 		if r, ok := t.(Resetter); ok {
-			r.OnReset()
+			m.tierCall(i, "reset", r.OnReset)
 		}
 	}
 	m.unlock()

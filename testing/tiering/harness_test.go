@@ -21,16 +21,24 @@ type harness struct {
 // over the given fake tiers, named t0, t1, ….
 func newHarness(t *testing.T, slots int, edit func(*offload.Config), tiers ...*fake.Tier) *harness {
 	t.Helper()
+	var specs []offload.TierSpec
+	for i, ft := range tiers {
+		specs = append(specs, ft.Spec(fmt.Sprintf("t%d", i)))
+	}
+	h := newHarnessSpecs(t, slots, edit, specs...)
+	h.tiers = tiers
+	return h
+}
+
+// newHarnessSpecs is newHarness over tiers of any kind.
+func newHarnessSpecs(t *testing.T, slots int, edit func(*offload.Config), specs ...offload.TierSpec) *harness {
+	t.Helper()
 	cfg := offload.DefaultConfig()
 	cfg.Geometry = offload.Geometries["tiny"]
 	cfg.CPUHugePages = false
 	cfg.CPUBytes = int64(slots * cfg.Geometry.BlockBytes())
 	if edit != nil {
 		edit(&cfg)
-	}
-	var specs []offload.TierSpec
-	for i, ft := range tiers {
-		specs = append(specs, ft.Spec(fmt.Sprintf("t%d", i)))
 	}
 	m, err := offload.New(cfg, specs...)
 	if err != nil {
@@ -44,7 +52,7 @@ func newHarness(t *testing.T, slots int, edit func(*offload.Config), tiers ...*f
 			t.Errorf("Close: %v", err)
 		}
 	})
-	return &harness{t: t, m: m, tiers: tiers}
+	return &harness{t: t, m: m}
 }
 
 // step runs fn inside one engine step.
@@ -83,6 +91,16 @@ func (h *harness) newRequest(id string) *offload.Request {
 			h.t.Fatalf("OnNewRequest(%s): %v", id, err)
 		}
 	})
+	return req
+}
+
+// newRequestIn registers a request inside s.
+func (h *harness) newRequestIn(s *offload.Step, id string) *offload.Request {
+	h.t.Helper()
+	req := newReq(id)
+	if _, err := s.OnNewRequest(req); err != nil {
+		h.t.Fatalf("OnNewRequest(%s): %v", id, err)
+	}
 	return req
 }
 

@@ -101,7 +101,7 @@ func TestPollIdleMakesNoWakeups(t *testing.T) {
 		k := keys(1, 1)[0]
 		tier.Put(k, h.block(k))
 		tier.Hold(true)
-		h.lookups(newReq("r"), []offload.Key{k}) // a held promotion: pending work
+		h.lookups(h.newRequest("r"), []offload.Key{k}) // a held promotion: pending work
 		tier.Answer(k, offload.Miss)
 		before := tier.Calls().Serves
 		time.Sleep(10*time.Millisecond + time.Microsecond)
@@ -303,7 +303,7 @@ func heldPromotion(t *testing.T, h *harness) {
 	k := keys(9, 1)[0]
 	h.tiers[0].Put(k, h.block(k))
 	h.tiers[0].Hold(true)
-	h.lookups(newReq("r"), []offload.Key{k})
+	h.lookups(h.newRequest("r"), []offload.Key{k})
 	if len(h.tiers[0].Held()) != 1 {
 		t.Fatal("no held promotion")
 	}
@@ -578,7 +578,7 @@ func TestResetLateCompletion(t *testing.T) {
 		tier.Release(tier.Held()[0], true) // the late completion
 		synctest.Wait()
 		h.step(func(s *offload.Step) {})
-		if r := h.lookups(newReq("x"), k); r[0] != offload.Miss {
+		if r := h.lookups(h.newRequest("x"), k); r[0] != offload.Miss {
 			t.Errorf("late completion made the block %v, want miss", r[0])
 		}
 		if got := h.m.Metrics().CPU.Detached; got != 0 {

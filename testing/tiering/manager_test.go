@@ -62,7 +62,7 @@ func TestLookup(t *testing.T) {
 				tt.setup(h)
 			}
 			before := []int{h.tiers[0].Calls().Lookups, h.tiers[1].Calls().Lookups}
-			got := h.lookups(newReq("r"), ks[:1])[0]
+			got := h.lookups(h.newRequest("r"), ks[:1])[0]
 			if got != tt.want {
 				t.Errorf("Lookup = %v, want %v", got, tt.want)
 			}
@@ -114,7 +114,7 @@ func TestPromotionBatching(t *testing.T) {
 	for _, k := range append(slices.Clone(a), b...) {
 		tier.Put(k, h.block(k))
 	}
-	ra, rb, rc := newReq("a"), newReq("b"), newReq("c")
+	ra, rb, rc := h.newRequest("a"), h.newRequest("b"), h.newRequest("c")
 	s := h.m.Begin()
 	var got []offload.Result
 	for _, k := range a {
@@ -150,7 +150,7 @@ func TestPromotionFromDo(t *testing.T) {
 	h := newHarness(t, 4, nil, tier)
 	k := keys(1, 1)[0]
 	tier.Put(k, h.block(k))
-	h.m.Do(func(s *offload.Step) { s.Lookup(k, newReq("r")) })
+	h.m.Do(func(s *offload.Step) { s.Lookup(k, h.newRequestIn(s, "r")) })
 	if n := len(tier.Calls().Loads); n != 1 {
 		t.Errorf("%d loads after Do, want 1", n)
 	}
@@ -177,7 +177,7 @@ func TestPromotionFailure(t *testing.T) {
 				tier.Put(k, h.block(k))
 			}
 			tier.Hold(true)
-			req := newReq("r")
+			req := h.newRequest("r")
 			h.lookups(req, ks)
 			held := tier.Held()
 			if len(held) != 1 {
@@ -220,6 +220,7 @@ func TestLoadTierFilter(t *testing.T) {
 			before := tier.Calls().Lookups
 			req := &offload.Request{ID: tt.name, LoadTiers: tt.filter}
 			h.m.Do(func(s *offload.Step) {
+				s.OnNewRequest(req)
 				got := []offload.Result{s.Lookup(ks[0], req), s.Lookup(ks[1], req)}
 				if diff := cmp.Diff(tt.want, got); diff != "" {
 					t.Errorf("(-want +got):\n%s", diff)
@@ -459,7 +460,7 @@ func TestBadJobResults(t *testing.T) {
 	k := keys(1, 1)[0]
 	t0.Put(k, h.block(k))
 	t0.Hold(true)
-	req := newReq("r")
+	req := h.newRequest("r")
 	h.lookups(req, []offload.Key{k})
 	id := t0.Held()[0]
 	t1.Inject(offload.JobResult{ID: id, OK: true}) // wrong tier
@@ -537,7 +538,7 @@ func TestBackpressure(t *testing.T) {
 	}
 	k := keys(30, 1)[0]
 	tier.Put(k, h.block(k))
-	if got := h.lookups(newReq("p"), []offload.Key{k}); got[0] != offload.HitPending {
+	if got := h.lookups(h.newRequest("p"), []offload.Key{k}); got[0] != offload.HitPending {
 		t.Errorf("promotion under pressure: %v, want hit_pending", got[0])
 	}
 }
@@ -604,7 +605,7 @@ func TestAbort(t *testing.T) {
 	if n := len(tier.Calls().Loads); n != 0 {
 		t.Errorf("an aborted request's promotion was submitted")
 	}
-	if got := h.lookups(newReq("x"), []offload.Key{remote}); got[0] != offload.HitPending {
+	if got := h.lookups(h.newRequest("x"), []offload.Key{remote}); got[0] != offload.HitPending {
 		t.Errorf("the aborted promotion's slot was not freed: lookup %v", got[0])
 	}
 	told := 0
@@ -632,7 +633,7 @@ func TestProgress(t *testing.T) {
 	k := keys(1, 1)[0]
 	tier.Put(k, h.block(k))
 	tier.Hold(true)
-	h.lookups(newReq("r"), []offload.Key{k})
+	h.lookups(h.newRequest("r"), []offload.Key{k})
 	select { // drain whatever the step signalled
 	case <-h.m.Progress():
 	default:

@@ -219,8 +219,10 @@ func checkModel(t *testing.T, h *harness, step int, wantPins []pinRec, writing [
 		t.Fatalf("step %d: counts do not add up: %+v with %d keys being stored", step, m, len(writing))
 	}
 	h.m.Do(func(s *offload.Step) {
+		probe := h.newRequestIn(s, "probe")
+		defer s.Abort(probe)
 		for _, k := range writing {
-			if r := s.Lookup(k, &offload.Request{ID: "probe"}); r != offload.HitPending {
+			if r := s.Lookup(k, probe); r != offload.HitPending {
 				t.Fatalf("step %d: key %v being stored answers %v", step, k, r)
 			}
 		}

@@ -1,0 +1,277 @@
+package tiering
+
+import (
+	"bytes"
+	"context"
+	"strings"
+	"testing"
+	"testing/synctest"
+	"time"
+
+	"github.com/google/go-cmp/cmp"
+	"github.com/kvtier/kvtier/offload"
+	"github.com/kvtier/kvtier/testing/fake"
+)
+
+// S4.7, S2.10: a tier that answers Retry forever keeps the request waiting
+// only until hit_pending_timeout: the expiry wakes a sleeping engine at the
+// deadline, the lookup then answers a stable Miss, and the timeout counts
+// with reason=retry.
+func TestRetryDeadline(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		tier := fake.NewTier(offload.ChunkLevel)
+		h := newHarness(t, 4, nil, tier)
+		k := keys(1, 1)
+		tier.Answer(k[0], offload.Retry) // still finding out, forever
+		req := h.newRequest("r")
+		start := time.Now()
+		if r := h.lookups(req, k); r[0] != offload.Retry {
+			t.Fatalf("lookup = %v, want retry", r[0])
+		}
+		drainProgress(h.m)
+		<-h.m.Progress() // the engine sleeps until the deadline wakes it
+		if waited := time.Since(start); waited != 5*time.Second {
+			t.Errorf("woken after %v, want the 5s hit_pending_timeout", waited)
+		}
+		if r := h.lookups(req, k); r[0] != offload.Miss {
+			t.Errorf("lookup after the deadline = %v, want miss", r[0])
+		}
+		// Stable: the tier finding the block later starts no promotion.
+		tier.ClearAnswer(k[0])
+		tier.Put(k[0], h.block(k[0]))
+		if r := h.lookups(req, k); r[0] != offload.Miss {
+			t.Errorf("lookup once the tier has the block = %v, want a stable miss", r[0])
+		}
+		if n := len(tier.Calls().Loads); n != 0 {
+			t.Errorf("%d promotions for an expired (request, key), want 0", n)
+		}
+		m := h.m.Metrics()
+		if m.RetryTimeouts != 1 || m.HitPendingTimeouts != 0 {
+			t.Errorf("timeouts: retry %d, hit_pending %d; want 1, 0", m.RetryTimeouts, m.HitPendingTimeouts)
+		}
+		var text bytes.Buffer
+		if err := m.WritePrometheus(&text); err != nil {
+			t.Fatal(err)
+		}
+		for _, want := range []string{
+			`kv_offload_tiering_hit_pending_timeouts_total{reason="retry"} 1`,
+			`kv_offload_tiering_hit_pending_timeouts_total{reason="hit_pending"} 0`,
+		} {
+			if !strings.Contains(text.String(), want+"\n") {
+				t.Errorf("metrics lack %q", want)
+			}
+		}
+	})
+}
+
+// S4.7, S4.2: the deadline starts at the first unsettled answer and is
+// never refreshed while the answer alternates between Retry and
+// HitPending; the timeout's reason is the last unsettled answer.
+func TestUnsettledDeadlineNotRefreshed(t *testing.T) {
+	tests := []struct {
+		name       string
+		endOnRetry bool // fail the promotion at 3 s and answer Retry again
+		want       offload.Metrics
+	}{
+		{"retry, hit_pending, retry", true, offload.Metrics{RetryTimeouts: 1}},
+		{"retry, hit_pending", false, offload.Metrics{HitPendingTimeouts: 1}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				tier := fake.NewTier(offload.ChunkLevel)
+				h := newHarness(t, 4, nil, tier)
+				k := keys(1, 1)
+				tier.Answer(k[0], offload.Retry)
+				req := h.newRequest("r")
+				start := time.Now()
+				want := func(at time.Duration, r offload.Result) {
+					t.Helper()
+					time.Sleep(start.Add(at).Sub(time.Now()))
+					if got := h.lookups(req, k)[0]; got != r {
+						t.Fatalf("lookup at %v = %v, want %v", at, got, r)
+					}
+				}
+				want(0, offload.Retry)
+				tier.ClearAnswer(k[0]) // the tier found it: a promotion starts and stalls
+				tier.Put(k[0], h.block(k[0]))
+				tier.Hold(true)
+				want(2*time.Second, offload.HitPending)
+				if tt.endOnRetry {
+					tier.Release(tier.Held()[0], false) // the round fails
+					tier.Answer(k[0], offload.Retry)    // and the tier is unsure again
+					h.step(func(*offload.Step) {})      // the failure is applied
+					want(3*time.Second, offload.Retry)
+				}
+				last := offload.HitPending
+				if tt.endOnRetry {
+					last = offload.Retry
+				}
+				want(5*time.Second-time.Nanosecond, last) // still unsettled
+				want(5*time.Second, offload.Miss)         // the first answer's deadline
+				m := h.m.Metrics()
+				if m.RetryTimeouts != tt.want.RetryTimeouts || m.HitPendingTimeouts != tt.want.HitPendingTimeouts {
+					t.Errorf("timeouts: retry %d, hit_pending %d; want %d, %d",
+						m.RetryTimeouts, m.HitPendingTimeouts, tt.want.RetryTimeouts, tt.want.HitPendingTimeouts)
+				}
+			})
+		})
+	}
+}
+
+// S4.8: a lookup for a request never registered with OnNewRequest answers
+// Miss — also for a block the CPU tier holds — asks no tier, starts no
+// promotion or deadline, and is counted as misuse; the same through a
+// tier's Parent facade.
+func TestLookupUnregistered(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		tier := fake.NewTier(offload.ChunkLevel)
+		h := newHarness(t, 4, nil, tier)
+		ks := keys(1, 3)
+		w := h.newRequest("w")
+		h.m.Do(func(s *offload.Step) { h.store(s, w, ks[:1]) }) // a CPU hit
+		h.m.Do(func(s *offload.Step) { s.OnRequestFinished(w) })
+		tier.Put(ks[1], h.block(ks[1]))   // a secondary hit
+		tier.Answer(ks[2], offload.Retry) // unsettled
+		before := h.m.Metrics().Errors["unknown_request"]
+		stranger := newReq("stranger")
+		var remote []offload.Result
+		tier.OnServe(func(p offload.Parent) error {
+			tier.OnServe(nil)
+			for _, k := range ks {
+				remote = append(remote, p.Lookup(k, newReq("peer")))
+			}
+			return nil
+		})
+		var hits int
+		var settled bool
+		h.step(func(s *offload.Step) {
+			for i, k := range ks {
+				if r := s.Lookup(k, stranger); r != offload.Miss {
+					t.Errorf("lookup %d of an unregistered request = %v, want miss", i, r)
+				}
+			}
+			hits, settled = s.LookupPrefix(ks, stranger)
+		})
+		if hits != 0 || !settled {
+			t.Errorf("LookupPrefix = %d, %v; want 0, true", hits, settled)
+		}
+		if diff := cmp.Diff(repeat(offload.Miss, 3), remote); diff != "" {
+			t.Errorf("Parent lookups of an unregistered request (-want +got):\n%s", diff)
+		}
+		time.Sleep(time.Minute) // no deadline was started
+		synctest.Wait()
+		m := h.m.Metrics()
+		if got := m.Errors["unknown_request"] - before; got != 3+1+3 {
+			t.Errorf("unknown_request counted %d times, want 7 (3 lookups, 1 prefix, 3 via Parent)", got)
+		}
+		c := tier.Calls()
+		if c.Lookups != 0 || len(c.Loads) != 0 {
+			t.Errorf("the tier was asked %d times and given %d loads, want none", c.Lookups, len(c.Loads))
+		}
+		if m.Requests != 0 || m.CPU.Writing != 0 || m.RetryTimeouts+m.HitPendingTimeouts != 0 {
+			t.Errorf("state left: %d requests, %d slots writing, %d timeouts; want none",
+				m.Requests, m.CPU.Writing, m.RetryTimeouts+m.HitPendingTimeouts)
+		}
+	})
+}
+
+// S4.1, S2.4, S2.2, S5.1 (issue 11, item 12): a request whose promotion
+// stalled past hit_pending_timeout recomputes the block and stores it: the
+// store supersedes the promotion's reserved slot, the computed block
+// becomes readable, and the stalled promotion, when it finally ends, never
+// makes its stale slot readable nor overwrites the new one; its slot is
+// freed then.
+func TestStalledPromotionRecomputed(t *testing.T) {
+	tests := []struct {
+		name  string
+		ok    bool // how the stalled promotion ends
+		reset bool // a cache reset (epoch bump) before it ends
+	}{
+		{"promotion succeeds late", true, false},
+		{"promotion fails late", false, false},
+		{"reset, then promotion succeeds", true, true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				tier := fake.NewTier(offload.ChunkLevel)
+				h := newHarness(t, 4, nil, tier)
+				k := keys(1, 1)
+				stale := bytes.Repeat([]byte{0xee}, h.m.BlockBytes())
+				tier.Put(k[0], stale) // what the stalled promotion would write
+				tier.Hold(true)
+				req := h.newRequest("r")
+				if r := h.lookups(req, k); r[0] != offload.HitPending {
+					t.Fatalf("lookup = %v, want hit_pending", r[0])
+				}
+				promotion := tier.Held()[0]
+				time.Sleep(5 * time.Second)
+				if r := h.lookups(req, k); r[0] != offload.Miss {
+					t.Fatalf("lookup after the deadline = %v, want miss", r[0])
+				}
+				// The engine recomputed the block; it must be stored.
+				var plan *offload.StorePlan
+				h.m.Do(func(s *offload.Step) {
+					var err error
+					plan, err = s.PrepareStore(k, req)
+					if err != nil || plan == nil || len(plan.Keys) != 1 {
+						t.Fatalf("PrepareStore of the recomputed block: plan %+v, err %v; want it reserved", plan, err)
+					}
+				})
+				other := h.newRequest("other")
+				if r := h.lookups(other, k); r[0] != offload.HitPending {
+					t.Errorf("lookup while the recomputed block is written = %v, want hit_pending", r[0])
+				}
+				copy(h.m.Arena().Slot(int(plan.Slots[0])), h.block(k[0]))
+				h.m.Do(func(s *offload.Step) {
+					if err := s.CompleteStore(plan.Keys, req, true); err != nil {
+						t.Fatalf("CompleteStore: %v", err)
+					}
+				})
+				if r := h.lookups(other, k); r[0] != offload.Hit {
+					t.Fatalf("lookup of the stored block = %v, want hit", r[0])
+				}
+				h.load(other, k) // the computed bytes
+				if n := len(tier.Calls().Loads); n != 1 {
+					t.Errorf("%d promotions submitted, want 1 (no duplicate)", n)
+				}
+				for _, id := range tier.Held() {
+					if id != promotion {
+						tier.Release(id, true) // the computed block's cascade
+					}
+				}
+				if tt.reset {
+					tier.Answer(k[0], offload.Miss) // nothing to promote again after the reset
+					ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+					err := h.m.ResetCache(ctx) // proceeds with the promotion in flight
+					cancel()
+					if err != nil {
+						t.Fatalf("ResetCache: %v", err)
+					}
+				}
+				if !tier.Release(promotion, tt.ok) {
+					t.Fatal("the stalled promotion was not held")
+				}
+				h.step(func(*offload.Step) {}) // the late result is applied
+				late := h.newRequest("late")
+				want := offload.Hit
+				if tt.reset {
+					want = offload.Miss
+				}
+				if r := h.lookups(late, k); r[0] != want {
+					t.Fatalf("lookup after the stalled promotion ended = %v, want %v", r[0], want)
+				}
+				if want == offload.Hit {
+					h.load(late, k) // still the computed bytes, not the stale ones
+				}
+				cpu := h.m.Metrics().CPU
+				wantUsed := map[bool]int{true: 0, false: 1}[tt.reset]
+				if cpu.Detached != 0 || cpu.Writing != 0 || cpu.Used != wantUsed {
+					t.Errorf("CPU tier after the late result: %d detached, %d writing, %d used; want 0, 0, %d",
+						cpu.Detached, cpu.Writing, cpu.Used, wantUsed)
+				}
+			})
+		})
+	}
+}
