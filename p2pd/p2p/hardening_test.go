@@ -265,8 +265,12 @@ func TestLookupTimeout(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		mn := newMemNet()
 		keys := testKeys(1, 2)
-		cons, req, f, _ := consumerSetup(t, mn, keys)
+		// lookup_hold 1s: lookup_timeout (3s) comes before the manager's
+		// own Retry bound (hit_pending_timeout, 5s).
+		edit := func(c *Config) { c.LookupHold = offload.Duration(time.Second) }
+		cons, req, f, _ := consumerSetupWith(t, mn, keys, edit)
 		dc := DefaultConfig()
+		edit(&dc)
 		time.Sleep(dc.lookupTimeout() - time.Second)
 		synctest.Wait()
 		if got := step(cons, req, keys[:1]); got[0] != offload.Retry {

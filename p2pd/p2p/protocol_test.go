@@ -261,7 +261,12 @@ func stat(n *node, name string) float64 {
 // consumerSetup starts a consumer node whose request r names the fake
 // producer, and returns the fake once the request's lookup reached it.
 func consumerSetup(t *testing.T, mn *memNet, keys []offload.Key) (*node, *offload.Request, *fakePeer, wire.Lookup) {
-	cons := newNode(t, mn, nil, 16)
+	return consumerSetupWith(t, mn, keys, nil)
+}
+
+// consumerSetupWith is consumerSetup with the consumer's config edited.
+func consumerSetupWith(t *testing.T, mn *memNet, keys []offload.Key, edit func(*Config)) (*node, *offload.Request, *fakePeer, wire.Lookup) {
+	cons := newNode(t, mn, edit, 16)
 	l, _ := mn.Listen("fakeprod:1")
 	req := &offload.Request{ID: "r", TransferParams: source("kv", "fakeprod:1")}
 	cons.m.Do(func(s *offload.Step) { s.OnNewRequest(req) })
