@@ -101,6 +101,9 @@ type TCPPlaneConfig struct {
 	// Auth authenticates a data connection dialled to a peer before any
 	// block is written on it (S7.1); nil sends nothing before the blocks.
 	Auth func(c net.Conn, peer string) error
+	// HandshakeTimeout bounds a data dial with its authentication
+	// (default 10s).
+	HandshakeTimeout time.Duration
 }
 
 // maxDead bounds the cancelled rounds whose stray blocks are drained
@@ -128,8 +131,10 @@ type roundKey struct {
 }
 
 type tcpPeer struct {
-	addr    string
-	out     []*outConn // under the plane's mu
+	addr    string // under the plane's mu
+	ctx     context.Context
+	cancel  context.CancelFunc // ends the peer's dials (RemovePeer, Close)
+	out     []*outConn         // under the plane's mu
 	in      map[net.Conn]bool
 	readers sync.WaitGroup
 	next    int
@@ -185,6 +190,9 @@ func (w *write) finish(err error) {
 // NewTCPPlane returns a TCP data plane over arena.
 func NewTCPPlane(arena *offload.Arena, n Network, cfg TCPPlaneConfig, log *slog.Logger) *TCPPlane {
 	cfg.Conns = max(cfg.Conns, 1)
+	if cfg.HandshakeTimeout <= 0 {
+		cfg.HandshakeTimeout = 10 * time.Second
+	}
 	if cfg.MaxIn < cfg.Conns {
 		cfg.MaxIn = 4 * cfg.Conns
 	}
@@ -206,7 +214,8 @@ func (p *TCPPlane) AddPeer(peer, addr string, _ []byte) error {
 		old.addr = addr
 		return nil
 	}
-	p.peers[peer] = &tcpPeer{addr: addr, in: make(map[net.Conn]bool)}
+	ctx, cancel := context.WithCancel(context.Background())
+	p.peers[peer] = &tcpPeer{addr: addr, ctx: ctx, cancel: cancel, in: make(map[net.Conn]bool)}
 	return nil
 }
 
@@ -235,6 +244,7 @@ func (p *TCPPlane) RemovePeer(peer string, done func()) {
 	}
 	// Close the peer's connections both ways; once its readers returned,
 	// nothing it sends can reach a slot.
+	tp.cancel()
 	p.mu.Lock()
 	for c := range tp.in {
 		c.Close()
@@ -266,6 +276,10 @@ func (p *TCPPlane) dial(peer string, tp *tcpPeer) ([]*outConn, error) {
 	tp.dialMu.Lock()
 	defer tp.dialMu.Unlock()
 	p.mu.Lock()
+	if p.closed || p.peers[peer] != tp {
+		p.mu.Unlock()
+		return nil, ErrNoPeer
+	}
 	now := time.Now()
 	live := tp.out[:0]
 	for _, o := range tp.out {
@@ -281,21 +295,27 @@ func (p *TCPPlane) dial(peer string, tp *tcpPeer) ([]*outConn, error) {
 	clear(tp.out[len(live):])
 	tp.out = live
 	missing := p.cfg.Conns - len(tp.out)
+	addr := tp.addr
 	p.mu.Unlock()
 	for range missing {
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		c, err := p.net.Dial(ctx, tp.addr)
-		cancel()
+		// The dial and its authentication share one deadline; RemovePeer
+		// and Close cancel it.
+		deadline := time.Now().Add(p.cfg.HandshakeTimeout)
+		ctx, cancel := context.WithDeadline(tp.ctx, deadline)
+		c, err := p.net.Dial(ctx, addr)
 		if err == nil && p.cfg.Auth != nil {
-			c.SetDeadline(time.Now().Add(10 * time.Second))
+			stop := context.AfterFunc(ctx, func() { c.SetDeadline(time.Now()) })
+			c.SetDeadline(deadline)
 			if err = p.cfg.Auth(c, peer); err != nil {
 				c.Close()
 			} else {
 				c.SetDeadline(time.Time{})
 			}
+			stop()
 		}
+		cancel()
 		if err != nil {
-			err = fmt.Errorf("p2p: data connection to %s: %w", tp.addr, err)
+			err = fmt.Errorf("p2p: data connection to %s: %w", addr, err)
 			p.mu.Lock()
 			out := slices.Clone(tp.out)
 			p.mu.Unlock()
@@ -523,7 +543,9 @@ func (p *TCPPlane) read(peer string, c net.Conn) error {
 		if err != nil {
 			return err
 		}
-		c.SetReadDeadline(time.Time{})
+		if p.cfg.IdleTimeout > 0 { // a producer stalled inside a block is cut off too
+			c.SetReadDeadline(time.Now().Add(p.cfg.IdleTimeout))
+		}
 		k := roundKey{peer, h.Round}
 		p.mu.Lock()
 		e := p.expect[k]
@@ -628,16 +650,17 @@ func (p *TCPPlane) Close() error {
 	p.closed = true
 	peers := p.peers
 	p.peers = map[string]*tcpPeer{}
+	var out []*outConn
 	for _, tp := range peers {
+		tp.cancel()
 		for c := range tp.in {
 			c.Close()
 		}
+		out = append(out, tp.out...) // under mu: dial compacts tp.out
 	}
 	p.mu.Unlock()
-	for _, tp := range peers {
-		for _, o := range tp.out {
-			o.kill(net.ErrClosed)
-		}
+	for _, o := range out {
+		o.kill(net.ErrClosed)
 	}
 	p.wg.Wait()
 	return nil

@@ -400,3 +400,134 @@ func TestFiveHandlerErrors(t *testing.T) {
 		}
 	})
 }
+
+// S6.1, S8.5: a peer process that connects again and again keeps at most
+// maxRetiring duplicates; when its session dies every one of them is
+// closed, so the node still shuts down (Close joins their goroutines).
+func TestKillClosesRetiringDuplicates(t *testing.T) {
+	// 4 connections leave 3 retiring (a slice with spare capacity, which
+	// once made kill skip some); 7 hit the cap.
+	for _, conns := range []int{4, maxRetiring + 3} {
+		t.Run(fmt.Sprint(conns), func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				mn := newMemNet()
+				n := newNode(t, mn, nil, 4)
+				var fs []*fakePeer
+				for range conns {
+					fs = append(fs, connectFake(t, mn, n, "fake"))
+					synctest.Wait()
+				}
+				n.m.Do(func(*offload.Step) {
+					for s := range n.tier.sessions {
+						if want := min(conns-1, maxRetiring); len(s.old) != want {
+							t.Errorf("%d retiring duplicates, want %d", len(s.old), want)
+						}
+					}
+				})
+				// A protocol error on the active connection kills the session
+				// (sent on every connection: which one is active depends on nonces).
+				for _, f := range fs {
+					wire.Write(f.c, nil, wire.Hello{Version: wire.Version, Kind: wire.KindControl, NodeID: "fake"})
+				}
+				synctest.Wait()
+				if ps := n.tier.Peers(); len(ps) != 0 {
+					t.Errorf("peers %+v after the protocol error", ps)
+				}
+				n.m.Close() // hangs if a duplicate's writer was left running
+			})
+		})
+	}
+}
+
+// S8.1: a full node refuses a new peer before any proof, with code
+// capacity, counted on both sides.
+func TestSessionCap(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		mn := newMemNet()
+		n := newNode(t, mn, func(c *Config) { c.MaxSessions = 1 }, 4)
+		connectFake(t, mn, n, "first")
+		synctest.Wait()
+		c, _ := mn.Dial(context.Background(), n.tier.Addr())
+		f := newFake(t, "second", "")
+		_, err := f.shaker().dialControl(c)
+		var re *rejectError
+		if !errors.As(err, &re) || re.Code != wire.CodeCapacity || !re.byPeer {
+			t.Fatalf("second peer: %v, want a reject with code capacity", err)
+		}
+		synctest.Wait()
+		if v := stat(n, "kv_offload_p2p_handshake_rejects_total"); v != 1 {
+			t.Errorf("rejects %v, want 1", v)
+		}
+		if ps := n.tier.Peers(); len(ps) != 1 || ps[0].Node != "first" {
+			t.Errorf("peers %+v, want only first", ps)
+		}
+	})
+}
+
+// S6.9: only the pong of the outstanding ping counts: a stale pong does
+// not stop the keep-alive clock of the ping in flight.
+func TestStalePong(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		mn := newMemNet()
+		keys := testKeys(1, 2)
+		// lookup_hold 20s: the lookup stays outstanding past the keep-alive.
+		cons, req, f, _ := consumerSetupWith(t, mn, keys, func(c *Config) { c.LookupHold = offload.Duration(20 * time.Second) })
+		f.mu.Lock()
+		f.Mute = true
+		f.mu.Unlock()
+		time.Sleep(3 * time.Second) // a ping went out at 2 s
+		f.send(wire.Pong{Seq: 1 << 40})
+		time.Sleep(9*time.Second + 500*time.Millisecond) // 12.5 s: past the ping's keep-alive timeout
+		synctest.Wait()
+		if f.Pings() == 0 {
+			t.Fatal("no ping was sent")
+		}
+		if v := stat(cons, "kv_offload_p2p_peer_deaths_total"); v != 1 {
+			t.Errorf("peer deaths %v 10 s after an unanswered ping, want 1", v)
+		}
+		cons.m.Do(func(s *offload.Step) { s.OnRequestFinished(req) })
+	})
+}
+
+// S8.1: one source address holds at most maxPerIP handshake slots; the
+// rest of its connections are closed at once, and another address still
+// gets in. Real loopback sockets (every 127/8 address is local).
+func TestHandshakesPerAddress(t *testing.T) {
+	n := newNode(t, nil, nil, 4)
+	var silent []net.Conn
+	defer func() {
+		for _, c := range silent {
+			c.Close()
+		}
+	}()
+	d := net.Dialer{LocalAddr: &net.TCPAddr{IP: net.IPv4(127, 0, 0, 1)}, Timeout: 2 * time.Second}
+	for range maxPerIP + 2 {
+		c, err := d.Dial("tcp", n.tier.Addr())
+		if err != nil {
+			t.Fatal(err)
+		}
+		silent = append(silent, c)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for stat(n, "kv_offload_p2p_handshake_cap_drops_total") < 2 {
+		if time.Now().After(deadline) {
+			t.Fatalf("cap drops %v, want 2", stat(n, "kv_offload_p2p_handshake_cap_drops_total"))
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	if v := stat(n, "kv_offload_p2p_handshakes_in_progress"); v != maxPerIP {
+		t.Errorf("handshakes in progress %v, want %d", v, maxPerIP)
+	}
+	other := net.Dialer{LocalAddr: &net.TCPAddr{IP: net.IPv4(127, 0, 0, 2)}, Timeout: 2 * time.Second}
+	c, err := other.Dial("tcp", n.tier.Addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(5 * time.Second))
+	h := &hsConn{c: c}
+	h.write(wire.Hello{Version: wire.Version, Kind: wire.KindControl, NodeID: "other", Nonce: newNonce()})
+	if _, err := expectMsg[wire.Challenge](h, wire.MaxPreAuthFrame); err != nil {
+		t.Errorf("a connection from another address: %v, want a challenge", err)
+	}
+}

@@ -61,6 +61,7 @@ type ctrlConn struct {
 		sync.Mutex
 		cond   *sync.Cond
 		frames [][]byte
+		bytes  int // queued in frames
 		closed bool
 	}
 }
@@ -103,7 +104,6 @@ func (t *Tier) established(pending *session, c net.Conn, sh shaken) {
 		c.Close()
 		return
 	}
-	defer t.redialed(pending)
 	if pending != nil && pending.dead {
 		pending = nil
 	}
@@ -127,9 +127,10 @@ func (t *Tier) established(pending *session, c net.Conn, sh shaken) {
 			t.retire(cc)
 		}
 		t.st.duplicates++
+		t.redialed(pending)
 		return
 	}
-	if len(t.byNode) >= t.cfg.MaxSessions {
+	if int(t.nready.Load()) >= t.cfg.MaxSessions {
 		t.rejects.add(false, wire.CodeCapacity)
 		t.logReject("p2p: session cap reached; refusing a peer", "peer", pc.NodeID, "max_sessions", t.cfg.MaxSessions)
 		wire.Write(c, nil, wire.Disconnect{Code: wire.CodeCapacity, Reason: "too many sessions"})
@@ -157,6 +158,8 @@ func (t *Tier) established(pending *session, c net.Conn, sh shaken) {
 		t.byAddr[s.peerAddr] = s
 	}
 	t.live.add(peerID{s.peer, s.peerInc})
+	t.nready.Add(1)
+	t.redialed(s)
 	t.st.sessionsOpened++
 	t.log.Info("p2p: peer connected", "peer", s.peer, "addr", s.peerAddr, "dialed", s.dialed)
 	for _, m := range s.held {
@@ -176,21 +179,22 @@ func (t *Tier) start(s *session, cc *ctrlConn) {
 // handshake and their held messages) into the ready session of the same
 // peer: nothing was sent on its behalf yet, so nothing is lost.
 func (t *Tier) merge(s, pending *session) {
+	collided := map[string]bool{}
 	for id, cr := range pending.creqs {
 		if s.creqs[id] != nil {
 			cr.failed = true // two local requests share a kv_request_id
+			collided[id] = true
 			continue
 		}
 		cr.s = s
 		s.creqs[id] = cr
 	}
 	pending.creqs = map[string]*creq{}
-	if s.ready {
-		for _, m := range pending.held {
-			t.sendNow(s, m)
+	for _, m := range pending.held {
+		if l, ok := m.(wire.Lookup); ok && collided[l.ReqID] {
+			continue // the failed request's lookups: nothing will fetch them
 		}
-	} else {
-		s.held = append(s.held, pending.held...)
+		t.send(s, m)
 	}
 	pending.held = nil
 	pending.dead = true
@@ -212,23 +216,40 @@ func (t *Tier) retire(cc *ctrlConn) {
 	cc.retiredAt = time.Now()
 	cc.queue(wire.Append(nil, wire.Disconnect{Code: wire.CodeDuplicate, Reason: "duplicate connection"}))
 	s := cc.s
+	if len(s.old) >= maxRetiring { // a peer dialling again and again: the oldest goes now
+		t.closeConn(s.old[0])
+	}
 	s.old = append(s.old, cc)
 	if cc.peerDone {
-		t.closeConn(cc)
+		t.finishConn(cc)
 	}
 	t.env.Wake() // the retirement's bound needs the timer armed
 }
 
-// closeConn flushes and closes one control connection and forgets it.
+// maxRetiring bounds a session's retiring duplicates.
+const maxRetiring = 4
+
+// closeConn closes one control connection now and forgets it: queued
+// frames get a second to go out; neither goroutine waits on the peer.
 func (t *Tier) closeConn(cc *ctrlConn) {
+	t.endConn(cc)
+	cc.c.SetReadDeadline(time.Now())
+	cc.c.SetWriteDeadline(time.Now().Add(time.Second))
+}
+
+// finishConn closes a retired connection whose markers both passed: the
+// writer flushes what is queued (within keepalive_timeout) and closes it;
+// the reader then ends.
+func (t *Tier) finishConn(cc *ctrlConn) {
+	t.endConn(cc)
+	cc.c.SetWriteDeadline(time.Now().Add(time.Duration(t.cfg.KeepaliveTimeout)))
+}
+
+func (t *Tier) endConn(cc *ctrlConn) {
 	cc.out.Lock()
 	cc.out.closed = true
 	cc.out.cond.Signal()
 	cc.out.Unlock()
-	// The writer closes the connection after flushing; the deadlines make
-	// sure neither goroutine waits on the peer.
-	cc.c.SetReadDeadline(time.Now())
-	cc.c.SetWriteDeadline(time.Now().Add(time.Second))
 	if s := cc.s; s != nil {
 		s.old = slices.DeleteFunc(s.old, func(o *ctrlConn) bool { return o == cc })
 	}
@@ -259,7 +280,7 @@ func (t *Tier) writer(cc *ctrlConn) {
 			o.cond.Wait()
 		}
 		frames := o.frames
-		o.frames = nil
+		o.frames, o.bytes = nil, 0
 		closed := o.closed
 		o.Unlock()
 		for _, f := range frames {
@@ -276,13 +297,24 @@ func (t *Tier) writer(cc *ctrlConn) {
 	}
 }
 
-func (cc *ctrlConn) queue(f []byte) {
+// maxQueued bounds the bytes queued for a control connection's writer: a
+// peer that stops reading while it keeps asking is dropped (S8.5).
+const maxQueued = 64 << 20
+
+// queue hands f to the writer; false when the queue is over maxQueued.
+func (cc *ctrlConn) queue(f []byte) bool {
 	cc.out.Lock()
-	if !cc.out.closed {
-		cc.out.frames = append(cc.out.frames, f)
-		cc.out.cond.Signal()
+	defer cc.out.Unlock()
+	if cc.out.closed {
+		return true
 	}
-	cc.out.Unlock()
+	if cc.out.bytes+len(f) > maxQueued {
+		return false
+	}
+	cc.out.frames = append(cc.out.frames, f)
+	cc.out.bytes += len(f)
+	cc.out.cond.Signal()
+	return true
 }
 
 // connLost handles a control connection that broke: the session's active
@@ -303,10 +335,12 @@ func (t *Tier) connLost(cc *ctrlConn, err error) {
 	t.kill(s, fmt.Sprintf("connection lost: %v", err))
 }
 
-// sendNow queues m on the session's active connection.
+// sendNow queues m on the session's active connection. A peer that
+// lets maxQueued bytes pile up unread loses its session.
 func (t *Tier) sendNow(s *session, m wire.Msg) {
-	if s.conn != nil {
-		s.conn.queue(wire.Append(nil, m))
+	if s.conn != nil && !s.conn.queue(wire.Append(nil, m)) {
+		t.log.Warn("p2p: peer does not read its control connection; dropping it", "peer", s.peer, "queued_limit", maxQueued)
+		t.post(func() { t.kill(s, "send queue full") })
 	}
 }
 
@@ -338,7 +372,7 @@ func (t *Tier) handle(cc *ctrlConn, m wire.Msg) {
 		case m.Code == wire.CodeDuplicate:
 			cc.peerDone = true
 			if cc.retiring {
-				t.closeConn(cc)
+				t.finishConn(cc)
 			}
 		case cc != s.conn:
 			t.closeConn(cc)
@@ -349,7 +383,9 @@ func (t *Tier) handle(cc *ctrlConn, m wire.Msg) {
 	case wire.Ping:
 		t.sendNow(s, wire.Pong{Seq: m.Seq})
 	case wire.Pong:
-		s.pingSent = time.Time{}
+		if m.Seq == s.pingSeq {
+			s.pingSent = time.Time{}
+		}
 	case wire.Hello, wire.Challenge, wire.Auth, wire.Connect, wire.ConnectAck:
 		err = fmt.Errorf("%w: %v after the handshake", errProtocol, m.Type())
 	default:
@@ -414,8 +450,9 @@ func (t *Tier) kill(s *session, reason string) {
 	if s.ready {
 		t.st.peerDeaths++
 		t.live.remove(peerID{s.peer, s.peerInc})
+		t.nready.Add(-1)
 	}
-	for _, cc := range append(s.old, s.conn) {
+	for _, cc := range append(slices.Clone(s.old), s.conn) { // closeConn edits s.old
 		if cc != nil {
 			t.closeConn(cc)
 		}

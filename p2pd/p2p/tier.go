@@ -39,6 +39,8 @@ type Tier struct {
 	// Shared with connection goroutines, safe without the manager lock.
 	live       liveSet       // processes with a ready session: data connections must come from one
 	handshakes atomic.Int64  // accepted connections still in their handshake
+	nready     atomic.Int64  // ready sessions, for the cap before a handshake
+	perIP      ipCounts      // handshakes in progress by source address
 	rejects    rejectCounts  // handshakes refused, by code and side
 	accept     acceptHealth  // the accept loop's errors
 	rejectLog  limiter       // rate limit for reject logs
@@ -85,6 +87,53 @@ const (
 	redialMin = time.Second
 	redialMax = 30 * time.Second
 )
+
+// maxPerIP bounds the handshakes in progress from one source address, so
+// one host cannot hold every handshake slot (S8.1).
+const maxPerIP = 8
+
+// helloTimeout bounds the wait for an accepted connection's hello (and,
+// over TLS, the TLS handshake before it): legitimate peers send it at
+// once, so silent connections free their slot fast.
+const helloTimeout = 2 * time.Second
+
+// ipCounts counts handshakes in progress per source address; an address
+// leaves the map when its count drops to zero.
+type ipCounts struct {
+	mu sync.Mutex
+	m  map[string]int
+}
+
+func (c *ipCounts) take(ip string) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.m[ip] >= maxPerIP {
+		return false
+	}
+	if c.m == nil {
+		c.m = map[string]int{}
+	}
+	c.m[ip]++
+	return true
+}
+
+func (c *ipCounts) put(ip string) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.m[ip]--; c.m[ip] <= 0 {
+		delete(c.m, ip)
+	}
+}
+
+// sourceIP is a connection's remote host (the whole address when it has
+// no port, as in-memory test networks).
+func sourceIP(c net.Conn) string {
+	a := c.RemoteAddr().String()
+	if h, _, err := net.SplitHostPort(a); err == nil {
+		return h
+	}
+	return a
+}
 
 // liveSet holds the processes this node has a ready session with.
 type liveSet struct {
@@ -237,7 +286,7 @@ func New(cfg Config, node offload.Config, n Network, env offload.TierEnv) (*Tier
 		}
 	default:
 		t.dp = NewTCPPlane(env.Arena, n, TCPPlaneConfig{Conns: cfg.DataConns, MaxIn: cfg.MaxDataConns,
-			IdleTimeout: time.Duration(cfg.DataIdleTimeout), Auth: t.authData}, log)
+			IdleTimeout: time.Duration(cfg.DataIdleTimeout), Auth: t.authData, HandshakeTimeout: time.Duration(cfg.HandshakeTimeout)}, log)
 	}
 	t.hs = &handshaker{self: peerID{t.self.NodeID, t.self.Incarnation}, token: []byte(cfg.ClusterToken),
 		connect: wire.Connect{NodeID: t.self.NodeID, Incarnation: t.self.Incarnation, Version: wire.Version,
@@ -331,7 +380,8 @@ func (t *Tier) acceptLoop() {
 			continue
 		}
 		delay = 0
-		if t.handshakes.Add(1) > int64(t.cfg.MaxHandshakes) {
+		ip := sourceIP(c)
+		if t.handshakes.Add(1) > int64(t.cfg.MaxHandshakes) || !t.perIP.take(ip) {
 			t.handshakes.Add(-1)
 			t.capDrops.Add(1)
 			c.Close()
@@ -339,6 +389,7 @@ func (t *Tier) acceptLoop() {
 		}
 		t.wg.Go(func() {
 			defer t.handshakes.Add(-1)
+			defer t.perIP.put(ip)
 			t.serveConn(c)
 		})
 	}
@@ -357,8 +408,10 @@ func (t *Tier) acceptFailed(err error, delay time.Duration) {
 // serveConn runs the acceptor's handshake of one connection under
 // handshake_timeout, then hands it to the session layer or the data plane.
 func (t *Tier) serveConn(c net.Conn) {
-	c.SetDeadline(time.Now().Add(time.Duration(t.cfg.HandshakeTimeout)))
+	start := time.Now()
+	c.SetDeadline(start.Add(min(helloTimeout, time.Duration(t.cfg.HandshakeTimeout))))
 	p, err := wire.ReadFrame(c, nil, wire.MaxPreAuthFrame)
+	c.SetDeadline(start.Add(time.Duration(t.cfg.HandshakeTimeout)))
 	var m wire.Msg
 	if err == nil {
 		m, err = wire.Decode(p)
@@ -384,6 +437,14 @@ func (t *Tier) serveConn(c net.Conn) {
 		}
 		c.SetDeadline(time.Time{})
 		t.dp.Accept(c, h)
+		return
+	}
+	if t.nready.Load() >= int64(t.cfg.MaxSessions) {
+		// Refused before any proof: a full node costs a dialler no
+		// handshake (the cap is checked again when the session is made).
+		wire.Write(c, nil, wire.Disconnect{Code: wire.CodeCapacity, Reason: "too many sessions"})
+		t.handshakeFailed(c, &rejectError{Code: wire.CodeCapacity, Text: "max_sessions reached"})
+		c.Close()
 		return
 	}
 	sh, err := t.hs.acceptControl(c, h)
@@ -656,6 +717,16 @@ func (t *Tier) Close() error {
 	}
 	err := t.dp.Close()
 	t.wg.Wait()
+	// Connection goroutines may have posted events after the last pass:
+	// run them, so a connection that finished its handshake meanwhile is
+	// closed (established sees t.closed) and nothing stays open.
+	t.ev.Lock()
+	q := t.ev.q
+	t.ev.q = nil
+	t.ev.Unlock()
+	for _, fn := range q {
+		fn()
+	}
 	return err
 }
 
