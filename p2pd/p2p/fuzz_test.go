@@ -8,32 +8,34 @@ import (
 	"github.com/kvtier/kvtier/p2pd/wire"
 )
 
-// FuzzSession writes arbitrary bytes to a node's control connection after
-// a valid hello: whatever they are (a handshake, role messages, garbage),
-// the node survives, releases what that peer held, and serves another
-// peer (S8.1).
+// FuzzSession writes arbitrary bytes to a node's control connection:
+// when the first byte is even, straight after a hello (the unauthenticated
+// side of the handshake); when odd, after a completed handshake (role
+// messages from a peer). Whatever they are, the node survives, releases
+// what that peer held, and serves another peer (S8.1).
 func FuzzSession(f *testing.F) {
-	cfg := tinyConfig(1)
-	connect := wire.Append(nil, wire.Connect{NodeID: "fuzz", Version: wire.Version, BlockBytes: uint64(cfg.Geometry.BlockBytes()),
-		Fingerprint: cfg.Fingerprint(), HashSeed: cfg.HashSeed, Addr: "fuzz:1", DataPlane: "tcp"})
-	ack := wire.Append(nil, wire.ConnectAck{})
 	keys := wkeys(testKeys(1, 2))
-	hs := append(append([]byte{}, connect...), ack...)
 	for _, m := range []wire.Msg{
 		wire.Lookup{ReqID: "kv", Round: 1, Keys: keys},
 		wire.Fetch{ReqID: "kv", Round: 1, Keys: keys, Slots: []uint32{1, 2}},
 		wire.Fetch{ReqID: "kv", Round: 1},
 		wire.AbortFetch{ReqID: "kv", Round: 1},
 		wire.LookupResp{ReqID: "kv", Round: 1, Keys: keys, Hits: []bool{true, false}},
-		wire.Disconnect{Reason: "x"},
+		wire.TransferDone{ReqID: "kv", Round: 7},
+		wire.Disconnect{Code: wire.CodeDuplicate, Reason: "x"},
+		wire.Ping{Seq: 1},
 	} {
-		f.Add(append(append([]byte{}, hs...), wire.Append(nil, m)...))
+		f.Add(append([]byte{1}, wire.Append(nil, m)...))
 	}
-	f.Add(append(append([]byte{}, hs...), wire.Append(wire.Append(nil, wire.Lookup{ReqID: "kv", Round: 1, Keys: keys}),
+	f.Add(append([]byte{1}, wire.Append(wire.Append(nil, wire.Lookup{ReqID: "kv", Round: 1, Keys: keys}),
 		wire.Fetch{ReqID: "kv", Round: 1, Keys: keys[:1], Slots: []uint32{0}})...))
-	f.Add([]byte{0, 0, 0, 5, 99, 1, 2, 3, 4})
-	f.Add(connect)
+	f.Add(append([]byte{0}, wire.Append(nil, wire.Auth{})...))
+	f.Add([]byte{0, 0, 0, 0, 5, 99, 1, 2, 3, 4})
+	f.Add([]byte{0, 0, 1, 0, 0})
 	f.Fuzz(func(t *testing.T, data []byte) {
+		if len(data) == 0 {
+			return
+		}
 		synctest.Test(t, func(t *testing.T) {
 			mn := newMemNet()
 			prod := newNode(t, mn, nil, 8)
@@ -43,9 +45,16 @@ func FuzzSession(f *testing.F) {
 			if err != nil {
 				t.Fatal(err)
 			}
+			if data[0]&1 == 1 {
+				fz := newFake(t, "fuzz", "")
+				if _, err := fz.shaker().dialControl(c); err != nil {
+					t.Fatalf("handshake: %v", err)
+				}
+			} else {
+				go wire.Write(c, nil, wire.Hello{Version: wire.Version, Kind: wire.KindControl, NodeID: "fuzz", Nonce: newNonce()})
+			}
 			go func() {
-				wire.Write(c, nil, wire.Hello{Version: wire.Version, Kind: wire.KindControl, NodeID: "fuzz"})
-				c.Write(data)
+				c.Write(data[1:])
 				c.Close()
 			}()
 			go func() { // drain what the node sends

@@ -183,7 +183,10 @@ func (r *rejectCounts) add(byPeer bool, c wire.Code) {
 	if byPeer {
 		side = 1
 	}
-	r[side][min(c, wire.NumCodes-1)].Add(1)
+	if c >= wire.NumCodes {
+		c = wire.CodeOther
+	}
+	r[side][c].Add(1)
 }
 
 // acceptHealth is what the accept loop saw.

@@ -309,11 +309,7 @@ func Decode(p []byte) (Msg, error) {
 	case TAbortAck:
 		m = AbortAck{ReqID: d.str(), Round: d.u64()}
 	case TDisconnect:
-		c := Code(d.u8())
-		if c >= NumCodes {
-			c = CodeOther
-		}
-		m = Disconnect{Code: c, Reason: d.str()}
+		m = Disconnect{Code: Code(d.u8()), Reason: d.str()}
 	case TPing:
 		m = Ping{Seq: d.u64()}
 	case TPong:

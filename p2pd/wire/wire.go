@@ -179,7 +179,8 @@ type Disconnect struct {
 // Code is why a connection ends.
 type Code uint8
 
-// Disconnect codes. A peer's unknown code decodes as CodeOther.
+// Disconnect codes. A code this version does not know reads as "other"
+// (String) and is counted as CodeOther.
 const (
 	CodeOther         Code = iota // none of the below
 	CodeShutdown                  // the node is shutting down
