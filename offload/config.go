@@ -120,10 +120,18 @@ func LoadConfig(r io.Reader) (Config, error) {
 	return c, c.Validate()
 }
 
+// decodeStrict decodes one JSON object with no unknown keys and nothing
+// after it.
 func decodeStrict(data []byte, v any) error {
 	dec := json.NewDecoder(bytes.NewReader(data))
 	dec.DisallowUnknownFields()
-	return dec.Decode(v)
+	if err := dec.Decode(v); err != nil {
+		return err
+	}
+	if _, err := dec.Token(); err != io.EOF {
+		return errors.New("trailing data after the JSON object")
+	}
+	return nil
 }
 
 // nameKey finds the top-level key whose value alone fails to decode, so

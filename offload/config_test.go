@@ -75,6 +75,8 @@ func TestLoadConfig(t *testing.T) {
 		`{"hit_pending_timeout": "0s"}`:   "hit_pending_timeout",
 		`{"tier_poll_interval": 5}`:       "tier_poll_interval",
 		`{"admission": "always", "x": 1}`: "x",
+		`{"admission": "always"} {}`:      "trailing data", // issue 11 item 12
+		`{"admission": "always"}]`:        "trailing data",
 	} {
 		_, err := LoadConfig(strings.NewReader(bad))
 		if !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), key) {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"net"
 	"sync"
 	"testing"
@@ -530,4 +531,86 @@ func TestHandshakesPerAddress(t *testing.T) {
 	if _, err := expectMsg[wire.Challenge](h, wire.MaxPreAuthFrame); err != nil {
 		t.Errorf("a connection from another address: %v, want a challenge", err)
 	}
+}
+
+// S8.1: an accepted connection that sends no hello is closed after 2 s,
+// well before handshake_timeout, freeing its slot.
+func TestHelloTimeout(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		mn := newMemNet()
+		n := newNode(t, mn, nil, 4)
+		c, _ := mn.Dial(context.Background(), n.tier.Addr())
+		defer c.Close()
+		closed := make(chan time.Duration, 1)
+		start := time.Now()
+		go func() {
+			var b [1]byte
+			c.Read(b[:])
+			closed <- time.Since(start)
+		}()
+		if d := <-closed; d != helloTimeout {
+			t.Errorf("a silent connection closed after %v, want %v", d, helloTimeout)
+		}
+	})
+}
+
+// S8.5: a peer that keeps asking but never reads its control connection
+// loses its session once maxQueued bytes wait for it.
+func TestSendQueueBound(t *testing.T) {
+	defer func(q int) { maxQueued = q }(maxQueued)
+	maxQueued = 4 << 10
+	synctest.Test(t, func(t *testing.T) {
+		mn := newMemNet()
+		n := newNode(t, mn, nil, 4)
+		c, _ := mn.Dial(context.Background(), n.tier.Addr())
+		defer c.Close()
+		f := newFake(t, "greedy", "")
+		f.c = c
+		if _, err := f.shaker().dialControl(c); err != nil {
+			t.Fatal(err)
+		}
+		keys := wkeys(testKeys(1, 8))
+		for i := range 64 { // ~330 bytes of answer each; the fake reads none
+			f.send(wire.Lookup{ReqID: fmt.Sprint("kv", i), Round: 1, Keys: keys})
+			synctest.Wait()
+			if len(n.tier.Peers()) == 0 {
+				break
+			}
+		}
+		synctest.Wait()
+		if ps := n.tier.Peers(); len(ps) != 0 {
+			t.Errorf("peers %+v: a peer that never reads kept its session", ps)
+		}
+	})
+}
+
+// S6.6, S8.1: a producer that stalls inside a block is cut off after
+// data_idle_timeout: the round fails and its slots are released, no
+// reader stays inside a slot.
+func TestDataStallInsideBlock(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		nd := newNode(t, newMemNet(), nil, 4)
+		p := NewTCPPlane(nd.m.Arena(), nil, TCPPlaneConfig{Conns: 1, IdleTimeout: time.Minute}, slog.New(slog.DiscardHandler))
+		defer p.Close()
+		if err := p.AddPeer("prod", "prod:1", nil); err != nil {
+			t.Fatal(err)
+		}
+		done := make(chan error, 1)
+		p.Expect("prod", 1, []uint32{0}, func(err error) { done <- err })
+		a, b := net.Pipe()
+		defer b.Close()
+		p.Accept(a, wire.Hello{NodeID: "prod"})
+		var hdr [wire.DataHeaderSize]byte
+		wire.PutDataHeader(hdr[:], wire.DataHeader{Round: 1, Slot: 0, Len: uint32(nd.m.BlockBytes())})
+		b.Write(hdr[:])
+		b.Write(make([]byte, 100)) // then nothing more
+		start := time.Now()
+		err := <-done
+		if err == nil || time.Since(start) != time.Minute {
+			t.Errorf("stalled block: %v after %v, want an error after 1m", err, time.Since(start))
+		}
+		drained := make(chan struct{})
+		p.Unexpect("prod", 1, func() { close(drained) })
+		<-drained
+	})
 }

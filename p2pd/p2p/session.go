@@ -298,8 +298,9 @@ func (t *Tier) writer(cc *ctrlConn) {
 }
 
 // maxQueued bounds the bytes queued for a control connection's writer: a
-// peer that stops reading while it keeps asking is dropped (S8.5).
-const maxQueued = 64 << 20
+// peer that stops reading while it keeps asking is dropped (S8.5). A
+// variable so a test can lower it.
+var maxQueued = 64 << 20
 
 // queue hands f to the writer; false when the queue is over maxQueued.
 func (cc *ctrlConn) queue(f []byte) bool {
