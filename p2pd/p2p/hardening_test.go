@@ -363,6 +363,7 @@ func TestDuplicateDialsKeepWork(t *testing.T) {
 				if v := stat(n, "kv_offload_p2p_peer_deaths_total"); v != 0 {
 					t.Errorf("%s: %v peer deaths", n.tier.NodeID(), v)
 				}
+				t.Logf("%s: %v duplicate connections", n.tier.NodeID(), stat(n, "kv_offload_p2p_duplicate_connections_total"))
 			}
 		})
 	}
