@@ -70,6 +70,16 @@ type handshaker struct {
 	self    peerID
 	token   []byte
 	connect wire.Connect // this node's Connect
+	// nonces makes a dialler's nonce; nil means crypto/rand (tests fix it
+	// to choose which duplicate wins).
+	nonces func() [32]byte
+}
+
+func (hs *handshaker) nonce() [32]byte {
+	if hs.nonces != nil {
+		return hs.nonces()
+	}
+	return newNonce()
 }
 
 func newNonce() (n [32]byte) {
@@ -218,7 +228,7 @@ func (hs *handshaker) verify(key []byte, got, want [32]byte) bool {
 // caller bounds it with a deadline on c.
 func (hs *handshaker) dialControl(c net.Conn) (shaken, error) {
 	h := &hsConn{c: c}
-	nonce := newNonce()
+	nonce := hs.nonce()
 	if err := h.write(wire.Hello{Version: wire.Version, Kind: wire.KindControl, NodeID: hs.self.node,
 		Incarnation: hs.self.inc, Nonce: nonce}); err != nil {
 		return shaken{}, err

@@ -615,3 +615,46 @@ func TestDataStallInsideBlock(t *testing.T) {
 		<-drained
 	})
 }
+
+// S6.1: when a new connection of a peer process wins over the active one,
+// frames the peer sent on the old one before its duplicate marker are
+// served before anything on the new one: order is kept across the switch.
+func TestDuplicateKeepsOrder(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		mn := newMemNet()
+		n := newNode(t, mn, nil, 4)
+		dial := func(nonce byte) *fakePeer {
+			f := newFake(t, "fake", "")
+			c, _ := mn.Dial(context.Background(), n.tier.Addr())
+			f.c = c
+			hs := f.shaker()
+			hs.nonces = func() [32]byte { return [32]byte{nonce} }
+			if _, err := hs.dialControl(c); err != nil {
+				t.Fatal(err)
+			}
+			f.serve()
+			synctest.Wait()
+			return f
+		}
+		old := dial(0xff)
+		cur := dial(0x00) // the smaller dialler nonce wins
+		if m, ok := old.next().(wire.Disconnect); !ok || m.Code != wire.CodeDuplicate {
+			t.Fatalf("old connection got %+v, want the duplicate marker", m)
+		}
+		cur.send(wire.Ping{Seq: 2})
+		synctest.Wait()
+		if !cur.idle() {
+			t.Fatal("a frame on the new connection was served before the old one drained")
+		}
+		old.send(wire.Ping{Seq: 1})
+		old.send(wire.Disconnect{Code: wire.CodeDuplicate})
+		for _, want := range []uint64{1, 2} {
+			if p, ok := cur.next().(wire.Pong); !ok || p.Seq != want {
+				t.Fatalf("got %+v, want pong %d", p, want)
+			}
+		}
+		if v := stat(n, "kv_offload_p2p_peer_deaths_total"); v != 0 {
+			t.Errorf("peer deaths %v, want 0", v)
+		}
+	})
+}

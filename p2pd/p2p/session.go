@@ -33,6 +33,10 @@ type session struct {
 
 	ready, dead bool
 	held        []wire.Msg // role messages queued until ready
+	// deferred holds frames of the active connection while a retiring
+	// duplicate has not delivered its last frame (the peer's marker):
+	// the peer sent those first, so they are served first.
+	deferred []wire.Msg
 
 	lastRecv time.Time
 	pingSent time.Time
@@ -55,6 +59,7 @@ type ctrlConn struct {
 	dialer    string   // node id of the side that dialled it
 	nonce     [32]byte // the dialler's handshake nonce
 	retiring  bool     // a losing duplicate: nothing new is sent on it
+	wasActive bool     // it was the session's active connection before it retired
 	retiredAt time.Time
 	peerDone  bool // the peer's duplicate marker arrived: nothing more comes on it
 	out       struct {
@@ -121,6 +126,7 @@ func (t *Tier) established(pending *session, c net.Conn, sh shaken) {
 		}
 		t.start(s, cc)
 		if wins(cc, s.conn) {
+			s.conn.wasActive = true // the peer may have sent on it what precedes cc's frames
 			t.retire(s.conn)
 			s.conn = cc
 		} else {
@@ -252,6 +258,32 @@ func (t *Tier) endConn(cc *ctrlConn) {
 	cc.out.Unlock()
 	if s := cc.s; s != nil {
 		s.old = slices.DeleteFunc(s.old, func(o *ctrlConn) bool { return o == cc })
+		t.flushDeferred(s)
+	}
+}
+
+// draining says whether a retiring duplicate may still deliver frames
+// the peer sent before those on the active connection: one that was the
+// active connection and whose marker has not arrived.
+func (s *session) draining() bool {
+	for _, o := range s.old {
+		if o.wasActive && !o.peerDone {
+			return true
+		}
+	}
+	return false
+}
+
+// flushDeferred serves the active connection's held frames once nothing
+// sent before them can still arrive.
+func (t *Tier) flushDeferred(s *session) {
+	if s.dead || s.draining() || len(s.deferred) == 0 {
+		return
+	}
+	ms := s.deferred
+	s.deferred = nil
+	for _, m := range ms {
+		t.handle(s.conn, m)
 	}
 }
 
@@ -366,6 +398,14 @@ func (t *Tier) handle(cc *ctrlConn, m wire.Msg) {
 		return
 	}
 	s.lastRecv = time.Now()
+	if cc == s.conn && s.draining() {
+		if len(s.deferred) >= wire.MaxKeys {
+			t.protocolError(s, "too many frames on a new connection while the old one drains")
+			return
+		}
+		s.deferred = append(s.deferred, m)
+		return
+	}
 	var err error
 	switch m := m.(type) {
 	case wire.Disconnect:
@@ -373,7 +413,7 @@ func (t *Tier) handle(cc *ctrlConn, m wire.Msg) {
 		case m.Code == wire.CodeDuplicate:
 			cc.peerDone = true
 			if cc.retiring {
-				t.finishConn(cc)
+				t.finishConn(cc) // and serves what waited for it
 			}
 		case cc != s.conn:
 			t.closeConn(cc)
