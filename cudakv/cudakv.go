@@ -80,7 +80,11 @@ type Spec struct {
 	CTAs, Threads int
 	// Workers is the host backend's parallelism (default GOMAXPROCS).
 	Workers int
-	Logger  *slog.Logger
+	// Checksums asks stores to compute each block's CRC32C (Castagnoli)
+	// as they copy it, while it is hot (Ticket.Sums). The host backend
+	// does; the CUDA backend does not yet (Sums is nil).
+	Checksums bool
+	Logger    *slog.Logger
 }
 
 // Pair names a GPU cache block and a CPU slot.
@@ -266,6 +270,7 @@ func (m *Mover) Close() error {
 type Ticket struct {
 	done chan struct{}
 	err  error
+	sums []uint32 // per pair, when the backend computed them
 	// poll, for the CUDA backend, asks the device whether the batch ended
 	// and finishes the ticket if so; wait blocks until it did.
 	poll func() (bool, error)
@@ -296,6 +301,18 @@ func (t *Ticket) Done() (bool, error) {
 		}
 	}
 	return false, nil
+}
+
+// Sums returns the CRC32C of each pair's CPU slot after a store, parallel
+// to the pairs, once the ticket is done and only when the backend
+// computed them while copying (Spec.Checksums); else nil.
+func (t *Ticket) Sums() []uint32 {
+	select {
+	case <-t.done:
+		return t.sums
+	default:
+		return nil
+	}
 }
 
 // Wait blocks until the batch ended and returns its error.

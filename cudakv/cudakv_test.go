@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"hash/crc32"
 	"math/rand/v2"
 	"os"
 	"testing"
@@ -83,7 +84,7 @@ func TestRoundTrip(t *testing.T) {
 			bb := layout.BlockBytes()
 			stride := (bb + 4095) / 4096 * 4096
 			slots := c.batch + 2
-			spec := Spec{Layout: layout, Arena: mmapped(t, slots*stride), SlotStride: stride, Workers: 3}
+			spec := Spec{Layout: layout, Arena: mmapped(t, slots*stride), SlotStride: stride, Workers: 3, Checksums: true}
 			backends(t, spec, func(t *testing.T, m *Mover) { roundTrip(t, m, spec, c, slots) })
 		})
 	}
@@ -122,6 +123,17 @@ func roundTrip(t *testing.T, m *Mover, spec Spec, c copyCase, slots int) {
 		t.Errorf("Done after Wait = %v, %v", done, err)
 	}
 	slot := func(s int) []byte { return spec.Arena[s*spec.SlotStride : s*spec.SlotStride+bb] }
+	// S7.2: the store computed each block's CRC32C as it copied (host).
+	switch sums := tk.Sums(); {
+	case sums == nil && m.Backend() == "host":
+		t.Error("the host backend's store computed no checksums")
+	case sums != nil:
+		for i, p := range pairs {
+			if want := crc32.Checksum(slot(int(p.CPU)), crc32.MakeTable(crc32.Castagnoli)); sums[i] != want {
+				t.Fatalf("store: checksum of slot %d %08x, want %08x", p.CPU, sums[i], want)
+			}
+		}
+	}
 	inBatch := map[int]bool{}
 	for _, p := range pairs {
 		inBatch[int(p.CPU)] = true

@@ -2,6 +2,7 @@ package cudakv
 
 import (
 	"fmt"
+	"hash/crc32"
 	"sync"
 	"time"
 
@@ -51,33 +52,48 @@ func (h *hostBackend) cpu(c, s int) []byte {
 func (h *hostBackend) submit(pairs []Pair, toCPU bool) (*Ticket, error) {
 	t := newTicket()
 	pairs = append([]Pair(nil), pairs...)
+	if toCPU && h.spec.Checksums {
+		t.sums = make([]uint32, len(pairs))
+	}
 	h.wg.Go(func() {
-		h.copyPairs(pairs, toCPU)
+		h.copyPairs(pairs, toCPU, t.sums)
 		t.finish(nil)
 	})
 	return t, nil
 }
 
 // copyPairs splits the pairs among the workers; each copies whole blocks.
-func (h *hostBackend) copyPairs(pairs []Pair, toCPU bool) {
+// With sums (stores only), each segment's bytes update the block's CRC32C
+// right after they were copied, while they are in cache.
+func (h *hostBackend) copyPairs(pairs []Pair, toCPU bool, sums []uint32) {
 	n := min(h.spec.Workers, len(pairs))
 	var wg sync.WaitGroup
 	for w := range n {
 		wg.Go(func() {
 			for i := w; i < len(pairs); i += n {
 				p := pairs[i]
+				var crc uint32
 				for s := range h.spec.Layout.Segments() {
 					if toCPU {
-						copy(h.cpu(int(p.CPU), s), h.gpu(int(p.GPU), s))
+						dst := h.cpu(int(p.CPU), s)
+						copy(dst, h.gpu(int(p.GPU), s))
+						if sums != nil {
+							crc = crc32.Update(crc, castagnoli, dst)
+						}
 					} else {
 						copy(h.gpu(int(p.GPU), s), h.cpu(int(p.CPU), s))
 					}
+				}
+				if sums != nil {
+					sums[i] = crc
 				}
 			}
 		})
 	}
 	wg.Wait()
 }
+
+var castagnoli = crc32.MakeTable(crc32.Castagnoli)
 
 func (h *hostBackend) writeBlock(b int, src []byte) error {
 	seg := h.spec.Layout.SegmentBytes

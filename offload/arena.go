@@ -2,7 +2,9 @@ package offload
 
 import (
 	"fmt"
+	"hash/crc32"
 	"os"
+	"sync/atomic"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -24,6 +26,9 @@ type ArenaOptions struct {
 // access and handed to asynchronous copies. The slot stride is a multiple
 // of the page size.
 type Arena struct {
+	// sums holds each slot's block CRC32C (S7.2) in the low 32 bits, with
+	// bit 32 set when it is valid; written by whoever filled the slot.
+	sums       []atomic.Uint64
 	mem        []byte
 	stride     int
 	slots      int
@@ -54,7 +59,8 @@ func NewArena(slots, slotBytes int, opt ArenaOptions) (*Arena, error) {
 	if err != nil {
 		return nil, fmt.Errorf("offload: mmap of %d bytes for the CPU arena: %w", slots*stride, err)
 	}
-	a := &Arena{mem: mem, stride: stride, slots: slots, slotBytes: slotBytes, lockWanted: opt.Lock}
+	a := &Arena{mem: mem, stride: stride, slots: slots, slotBytes: slotBytes, lockWanted: opt.Lock,
+		sums: make([]atomic.Uint64, slots)}
 	if opt.HugePages {
 		if err := unix.Madvise(mem, unix.MADV_HUGEPAGE); err != nil {
 			a.HugePagesErr = fmt.Errorf("madvise(MADV_HUGEPAGE): %w", err)
@@ -99,6 +105,34 @@ func (a *Arena) Base() uintptr { return uintptr(unsafe.Pointer(unsafe.SliceData(
 func (a *Arena) Slot(i int) []byte {
 	off := i * a.stride
 	return a.mem[off : off+a.slotBytes : off+a.slotBytes]
+}
+
+// Castagnoli is the CRC32C table every block checksum uses (S7.2).
+var Castagnoli = crc32.MakeTable(crc32.Castagnoli)
+
+// SetSum records the CRC32C of slot i's block, computed by the copy that
+// filled it (S7.2): the GPU store, the disk read, the P2P receive.
+func (a *Arena) SetSum(i int, crc uint32) { a.sums[i].Store(1<<32 | uint64(crc)) }
+
+// Sum returns slot i's recorded CRC32C; ok is false when none was
+// recorded since the slot was last reserved.
+func (a *Arena) Sum(i int) (crc uint32, ok bool) {
+	v := a.sums[i].Load()
+	return uint32(v), v>>32 == 1
+}
+
+// ClearSum forgets slot i's checksum: the slot is about to be written.
+func (a *Arena) ClearSum(i int) { a.sums[i].Store(0) }
+
+// SumOf returns slot i's recorded CRC32C, computing (and recording) it
+// from the bytes when none was recorded.
+func (a *Arena) SumOf(i int) uint32 {
+	if crc, ok := a.Sum(i); ok {
+		return crc
+	}
+	crc := crc32.Checksum(a.Slot(i), Castagnoli)
+	a.SetSum(i, crc)
+	return crc
 }
 
 // Bytes returns the whole mapping.

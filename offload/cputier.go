@@ -99,6 +99,7 @@ type CPUTier struct {
 	writing, pinned int
 	evictions       uint64
 	forcedReleases  uint64
+	scrubMismatches uint64
 	storedBytes     uint64
 }
 
@@ -214,11 +215,27 @@ func (c *CPUTier) reserve(keys []Key, writer Owner, supersede bool) (added []Key
 			c.fresh++
 		}
 		slots[i] = s
+		c.arena.ClearSum(int(s)) // its writer records the new block's (S7.2)
 		c.entries[k] = &cpuEntry{slot: s, writing: true, writer: writer, since: now}
 		c.policy.Insert(k)
 		c.writing++
 	}
 	return added, slots, evicted, true
+}
+
+// drop removes a ready, unpinned block whose bytes disagree with its
+// checksum (Scrub), reporting its removal; false when k is gone, being
+// written or pinned.
+func (c *CPUTier) drop(k Key) bool {
+	e, ok := c.entries[k]
+	if !ok || e.writing || len(e.pins) > 0 {
+		return false
+	}
+	c.policy.Remove(k)
+	c.release(k)
+	c.scrubMismatches++
+	c.report(EventRemoved, []Key{k})
+	return true
 }
 
 // release frees k's slot; the policy must already have forgotten k.
@@ -465,8 +482,11 @@ type CPUStats struct {
 	Pinned         int    `json:"pinned"`  // ready with at least one pin
 	Evictions      uint64 `json:"evictions"`
 	ForcedReleases uint64 `json:"forced_releases"`
-	StoredBytes    uint64 `json:"stored_bytes"`
-	Policy         string `json:"policy"`
+	// ScrubMismatches counts blocks a scrub found disagreeing with their
+	// checksum and removed (S7.2).
+	ScrubMismatches uint64 `json:"scrub_mismatches"`
+	StoredBytes     uint64 `json:"stored_bytes"`
+	Policy          string `json:"policy"`
 	// Detached counts slots a cache reset removed while a transfer still
 	// held them, and slots of promotions a store superseded; they are
 	// reused once released.
@@ -477,7 +497,7 @@ type CPUStats struct {
 func (c *CPUTier) Stats() CPUStats {
 	return CPUStats{
 		Slots: c.arena.Slots(), Used: len(c.entries), Writing: c.writing, Pinned: c.pinned,
-		Evictions: c.evictions, ForcedReleases: c.forcedReleases, StoredBytes: c.storedBytes,
+		Evictions: c.evictions, ForcedReleases: c.forcedReleases, ScrubMismatches: c.scrubMismatches, StoredBytes: c.storedBytes,
 		Policy: c.policy.Name(), Detached: c.ndetached,
 	}
 }

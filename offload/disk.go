@@ -357,14 +357,18 @@ func (d *Disk) worker() {
 		t := d.mu.queue[0]
 		d.mu.queue = d.mu.queue[1:]
 		j := t.dj.job
-		k, slot := j.Keys[t.i], d.arena.Slot(int(j.Slots[t.i]))
+		k, si := j.Keys[t.i], int(j.Slots[t.i])
+		slot := d.arena.Slot(si)
 		d.mu.Unlock()
 		start := time.Now()
 		var err error
 		if j.Promotion {
-			err = d.read(k, slot)
+			var crc uint32
+			if crc, err = d.read(k, slot); err == nil {
+				d.arena.SetSum(si, crc) // verified against the file's (S7.2)
+			}
 		} else {
-			err = d.write(k, slot)
+			err = d.write(k, slot, d.arena.SumOf(si))
 		}
 		took := time.Since(start)
 		d.mu.Lock()
@@ -379,14 +383,15 @@ func (d *Disk) worker() {
 	}
 }
 
-// write stores one block: a temporary file, then a rename.
-func (d *Disk) write(k Key, block []byte) error {
+// write stores one block with its CRC32C (the slot's, recorded when the
+// block entered the CPU tier, S7.2): a temporary file, then a rename.
+func (d *Disk) write(k Key, block []byte, crc uint32) error {
 	var hdr [diskHeaderLen]byte
 	copy(hdr[0:4], diskMagic[:])
 	binary.LittleEndian.PutUint32(hdr[4:8], diskVersion)
 	binary.LittleEndian.PutUint64(hdr[8:16], uint64(len(block)))
 	copy(hdr[16:48], k[:])
-	binary.LittleEndian.PutUint32(hdr[48:52], crc32.Checksum(block, castagnoli))
+	binary.LittleEndian.PutUint32(hdr[48:52], crc)
 	final := d.path(k)
 	tmp := filepath.Join(filepath.Dir(final), fmt.Sprintf("%s%x-%d", tmpPrefix, k[:8], d.tmpSeq.Add(1)))
 	f, err := os.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o644)
@@ -421,10 +426,10 @@ func (d *Disk) write(k Key, block []byte) error {
 }
 
 // read loads one block into slot and verifies it.
-func (d *Disk) read(k Key, slot []byte) error {
+func (d *Disk) read(k Key, slot []byte) (uint32, error) {
 	f, err := os.Open(d.path(k))
 	if err != nil {
-		return err
+		return 0, err
 	}
 	defer f.Close()
 	// Ask for the whole file at once rather than letting readahead ramp up
@@ -432,23 +437,24 @@ func (d *Disk) read(k Key, slot []byte) error {
 	unix.Fadvise(int(f.Fd()), 0, 0, unix.FADV_WILLNEED)
 	var hdr [diskHeaderLen]byte
 	if _, err := io.ReadFull(f, hdr[:]); err != nil {
-		return fmt.Errorf("%w: header: %w", errCorrupt, err)
+		return 0, fmt.Errorf("%w: header: %w", errCorrupt, err)
 	}
 	switch {
 	case !bytes.Equal(hdr[0:4], diskMagic[:]) || binary.LittleEndian.Uint32(hdr[4:8]) != diskVersion:
-		return fmt.Errorf("%w: bad magic or version", errCorrupt)
+		return 0, fmt.Errorf("%w: bad magic or version", errCorrupt)
 	case binary.LittleEndian.Uint64(hdr[8:16]) != uint64(len(slot)):
-		return fmt.Errorf("%w: block length %d, want %d", errCorrupt, binary.LittleEndian.Uint64(hdr[8:16]), len(slot))
+		return 0, fmt.Errorf("%w: block length %d, want %d", errCorrupt, binary.LittleEndian.Uint64(hdr[8:16]), len(slot))
 	case !bytes.Equal(hdr[16:48], k[:]):
-		return fmt.Errorf("%w: the file holds another key", errCorrupt)
+		return 0, fmt.Errorf("%w: the file holds another key", errCorrupt)
 	}
 	if _, err := io.ReadFull(f, slot); err != nil {
-		return fmt.Errorf("%w: body: %w", errCorrupt, err)
+		return 0, fmt.Errorf("%w: body: %w", errCorrupt, err)
 	}
-	if got, want := crc32.Checksum(slot, castagnoli), binary.LittleEndian.Uint32(hdr[48:52]); got != want {
-		return fmt.Errorf("%w: crc32c %08x, want %08x", errCorrupt, got, want)
+	got, want := crc32.Checksum(slot, castagnoli), binary.LittleEndian.Uint32(hdr[48:52])
+	if got != want {
+		return 0, fmt.Errorf("%w: crc32c %08x, want %08x", errCorrupt, got, want)
 	}
-	return nil
+	return got, nil
 }
 
 func (d *Disk) writeDoneLocked(dj *diskJob, k Key, err error, took time.Duration) {

@@ -307,6 +307,7 @@ func (s Metrics) WritePrometheus(w io.Writer) error {
 		{"kv_offload_cpu_slots_writing", "gauge", "CPU slots reserved for a write in flight.", float64(c.Writing)},
 		{"kv_offload_cpu_slots_pinned", "gauge", "CPU slots with at least one pin.", float64(c.Pinned)},
 		{"kv_offload_cpu_evictions_total", "counter", "Blocks evicted from the CPU tier.", float64(c.Evictions)},
+		{"kv_offload_cpu_scrub_mismatches_total", "counter", "Blocks a scrub found disagreeing with their checksum and removed.", float64(c.ScrubMismatches)},
 		{"kv_offload_cpu_forced_releases_total", "counter", "Pins released by an abort instead of their owner.", float64(c.ForcedReleases)},
 		{"kv_offload_cpu_slots_detached", "gauge", "Slots a cache reset removed while a transfer still held them.", float64(c.Detached)},
 		{"kv_offload_cpu_arena_bytes", "gauge", "Size of the CPU arena mapping.", float64(c.ArenaBytes)},

@@ -178,6 +178,7 @@ func New(m *offload.Manager, cfg Config) (*Engine, error) {
 		Arena:      m.Arena().Bytes(),
 		SlotStride: m.Arena().Stride(),
 		Backend:    cfg.Backend,
+		Checksums:  true, // each stored block's CRC32C, kept with its slot (S7.2)
 		Logger:     log,
 	})
 	if err != nil {

@@ -3,6 +3,7 @@ package engine
 import (
 	"context"
 	"errors"
+	"hash/crc32"
 	"testing"
 	"time"
 
@@ -114,4 +115,31 @@ func TestPauseClearCache(t *testing.T) {
 	if used := m.Metrics().CPU.Used; used != 0 {
 		t.Errorf("CPU tier holds %d blocks after pause with clear_cache", used)
 	}
+}
+
+// S7.2: every block the engine stores enters the CPU tier with its CRC32C
+// kept with the slot, computed by the copy.
+func TestStoredBlocksKeepChecksums(t *testing.T) {
+	e, m := newEngine(t, 64, 32)
+	toks := tokens(3, 16*6)
+	if _, err := e.Submit(context.Background(), Request{ID: "a", Tokens: toks}); err != nil {
+		t.Fatal(err)
+	}
+	keys := offload.BlockKeys(m.Config().HashSeed, m.Config().Geometry.BlockTokens, toks)
+	req := &offload.Request{ID: "check"}
+	m.Do(func(s *offload.Step) {
+		s.OnNewRequest(req)
+		slots, err := s.PrepareLoad(keys, req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i, slot := range slots {
+			crc, ok := m.Arena().Sum(int(slot))
+			if want := crc32.Checksum(m.Arena().Slot(int(slot)), offload.Castagnoli); !ok || crc != want {
+				t.Errorf("block %d: kept checksum %08x (%v), want %08x", i, crc, ok, want)
+			}
+		}
+		s.CompleteLoad(keys, req)
+		s.OnRequestFinished(req)
+	})
 }

@@ -362,10 +362,12 @@ func (e *Engine) lookup(s *offload.Step, j *job) {
 	for i := range pairs {
 		pairs[i] = cudakv.Pair{GPU: j.gpu[i], CPU: slots[i]}
 	}
-	e.start(j, func() (*cudakv.Ticket, error) { return e.mv.Load(pairs) })
+	e.start(j, func() (*cudakv.Ticket, error) { return e.mv.Load(pairs) }, nil)
 }
 
-func (e *Engine) start(j *job, copy func() (*cudakv.Ticket, error)) {
+// start runs a copy; stored, when not nil, are the pairs of a store, whose
+// blocks' CRC32Cs are recorded with their slots once it ends (S7.2).
+func (e *Engine) start(j *job, copy func() (*cudakv.Ticket, error), stored []cudakv.Pair) {
 	t, err := copy()
 	if err != nil {
 		e.fail(j, err)
@@ -373,9 +375,26 @@ func (e *Engine) start(j *job, copy func() (*cudakv.Ticket, error)) {
 	}
 	j.ticket, j.copying = t, true
 	e.wg.Go(func() {
-		t.Wait()
+		if t.Wait() == nil && stored != nil {
+			e.recordSums(stored, t.Sums())
+		}
 		signal(e.wake)
 	})
+}
+
+// recordSums keeps each stored block's CRC32C with its CPU slot: the one
+// the copy computed, else (a backend that does not) computed here, off
+// the engine loop, before the store completes.
+func (e *Engine) recordSums(pairs []cudakv.Pair, sums []uint32) {
+	a := e.m.Arena()
+	for i, p := range pairs {
+		if sums != nil {
+			a.SetSum(int(p.CPU), sums[i])
+		} else {
+			a.ClearSum(int(p.CPU))
+			a.SumOf(int(p.CPU))
+		}
+	}
 }
 
 func (e *Engine) fail(j *job, err error) {
@@ -439,7 +458,7 @@ func (e *Engine) copied(j *job, err error) {
 		for i, k := range plan.Keys {
 			pairs[i] = cudakv.Pair{GPU: j.gpu[index[k]], CPU: plan.Slots[i]}
 		}
-		e.start(j, func() (*cudakv.Ticket, error) { return e.mv.Store(pairs) })
+		e.start(j, func() (*cudakv.Ticket, error) { return e.mv.Store(pairs) }, pairs)
 		if !j.copying {
 			e.m.Do(func(s *offload.Step) { s.CompleteStore(plan.Keys, j.req, false) })
 		}

@@ -184,6 +184,7 @@ func (n *Node) mux() *http.ServeMux {
 	mux.HandleFunc("GET /v0/status", n.status)
 	mux.HandleFunc("GET /v0/peers", n.peers)
 	mux.HandleFunc("POST /v0/reset-cache", n.resetCache)
+	mux.HandleFunc("POST /v0/scrub", n.scrub)
 	mux.HandleFunc("POST /v0/shutdown", n.shutdown)
 	mux.HandleFunc("GET /v0/health", n.health)
 	mux.HandleFunc("POST /v0/requests", n.request)
@@ -345,6 +346,21 @@ func (n *Node) peers(w http.ResponseWriter, r *http.Request) {
 		ps.Peers = []p2p.PeerInfo{}
 	}
 	reply(w, 200, ps)
+}
+
+// scrub is POST /v0/scrub: verify every ready CPU block against its
+// checksum, removing those that disagree (S7.2).
+func (n *Node) scrub(w http.ResponseWriter, r *http.Request) {
+	ctx, cancel := context.WithTimeout(r.Context(), 10*time.Minute)
+	defer cancel()
+	start := time.Now()
+	res, err := n.M.Scrub(ctx)
+	if err != nil {
+		fail(w, 503, "scrub stopped after %d blocks: %v", res.Checked, err)
+		return
+	}
+	reply(w, 200, map[string]any{"checked": res.Checked, "mismatched": res.Mismatched, "unrecorded": res.Unrecorded,
+		"elapsed_ms": ms(time.Since(start))})
 }
 
 func (n *Node) resetCache(w http.ResponseWriter, r *http.Request) {

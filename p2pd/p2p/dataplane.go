@@ -433,10 +433,11 @@ func (p *TCPPlane) writer(o *outConn) {
 			t.w.finish(ErrCanceled)
 			continue
 		}
-		// The block goes out with its CRC32C after it.
+		// The block goes out with its CRC32C after it: the one recorded
+		// when it entered the CPU tier, so the block is read once (S7.2).
 		slot := p.arena.Slot(int(t.local))
 		wire.PutDataHeader(hdr[:], t.hdr)
-		if err := writeChecked(o.c, hdr[:], slot); err != nil {
+		if err := writeChecked(o.c, hdr[:], slot, p.arena.SumOf(int(t.local))); err != nil {
 			o.kill(err)
 			t.w.finish(err)
 			continue
@@ -573,11 +574,14 @@ func (p *TCPPlane) read(peer string, c net.Conn) error {
 			_, err = io.ReadFull(c, trailer[:])
 		}
 		var result error
-		if err == nil && crc != binary.BigEndian.Uint32(trailer[:]) {
+		switch {
+		case err != nil:
+			result = err
+		case crc != binary.BigEndian.Uint32(trailer[:]):
 			p.crcErrors.Add(1)
 			result = fmt.Errorf("%w: round %d slot %d from %s", ErrCRC, h.Round, h.Slot, peer)
-		} else if err != nil {
-			result = err
+		default:
+			p.arena.SetSum(int(h.Slot), crc) // verified: kept with the slot (S7.2)
 		}
 		p.bytesIn.Add(uint64(bs))
 		p.mu.Lock()
@@ -617,12 +621,10 @@ func (p *TCPPlane) read(peer string, c net.Conn) error {
 // small enough that the bytes are still in cache.
 const chunk = 128 << 10
 
-// writeChecked writes hdr, the block and its CRC32C in one writev: the
-// checksum pass brings the block into cache just before the kernel copies
-// it (checksumming chunk by chunk between smaller writes measured slower).
-func writeChecked(w io.Writer, hdr, block []byte) error {
+// writeChecked writes hdr, the block and its CRC32C in one writev.
+func writeChecked(w io.Writer, hdr, block []byte, crc uint32) error {
 	var trailer [wire.DataTrailerSize]byte
-	binary.BigEndian.PutUint32(trailer[:], crc32.Checksum(block, castagnoli))
+	binary.BigEndian.PutUint32(trailer[:], crc)
 	bufs := net.Buffers{hdr, block, trailer[:]}
 	_, err := bufs.WriteTo(w)
 	return err

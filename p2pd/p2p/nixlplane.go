@@ -328,7 +328,7 @@ func (p *NIXLPlane) write(peer string, round uint64, pairs []SlotPair, done func
 		}
 		lidx[i], ridx[i] = int32(sp.Local), int32(sp.Remote)
 		notif = binary.LittleEndian.AppendUint32(notif, sp.Remote)
-		notif = binary.LittleEndian.AppendUint32(notif, crc32.Checksum(p.arena.Slot(int(sp.Local)), castagnoli))
+		notif = binary.LittleEndian.AppendUint32(notif, p.arena.SumOf(int(sp.Local)))
 	}
 	req, err := p.agent.MakeXfer(nixlgo.Write, p.local, lidx, np.remote, ridx, notif)
 	if err != nil {
@@ -536,11 +536,13 @@ func (p *NIXLPlane) notified(n nixlgo.Notif) {
 		return
 	}
 	for i, slot := range got {
-		if crc32.Checksum(p.arena.Slot(int(slot)), castagnoli) != binary.LittleEndian.Uint32(m[8*i+4:]) {
+		crc := crc32.Checksum(p.arena.Slot(int(slot)), castagnoli)
+		if crc != binary.LittleEndian.Uint32(m[8*i+4:]) {
 			p.crcErrors.Add(1)
 			e.done(fmt.Errorf("%w: round %d, slot %d", ErrCRC, k.round, slot))
 			return
 		}
+		p.arena.SetSum(int(slot), crc) // verified: kept with the slot (S7.2)
 	}
 	p.bytesIn.Add(uint64(count * p.arena.SlotBytes()))
 	e.done(nil)

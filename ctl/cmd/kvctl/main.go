@@ -1,5 +1,5 @@
 // Command kvctl drives a p2pd node through its admin API: status, pause,
-// resume, shutdown, reset-cache, submit, metrics, peers.
+// resume, shutdown, reset-cache, scrub, submit, metrics, peers.
 //
 // Exit status: 0 on success, 1 when the operation failed, 2 on a usage
 // error.
@@ -32,6 +32,7 @@ commands:
   resume
   shutdown [--grace 30s]
   reset-cache
+  scrub                                    verify every CPU block against its checksum
   submit (--tokens-seed S --tokens N | --tokens-file F)
          [--remote-kv-source host:port --kv-request-id ID] [--request-id ID] [--json]
   metrics                                  Prometheus text
@@ -151,6 +152,26 @@ func run(args []string, out, errw io.Writer) error {
 			return err
 		}
 		fmt.Fprintln(out, "stopped")
+		return nil
+	case "scrub":
+		if err := fs.Parse(rest); err != nil {
+			return usageError{err.Error()}
+		}
+		var res struct {
+			Checked, Mismatched, Unrecorded int
+			ElapsedMS                       float64 `json:"elapsed_ms"`
+		}
+		if err := c.Do(ctx, "POST", "/v0/scrub", nil, nil, &res); err != nil {
+			return explain(err)
+		}
+		fmt.Fprintf(out, "scrubbed %d blocks in %.0f ms: %d disagreed with their checksum and were removed", res.Checked, res.ElapsedMS, res.Mismatched)
+		if res.Unrecorded > 0 {
+			fmt.Fprintf(out, "; %d had no checksum kept (now recorded)", res.Unrecorded)
+		}
+		fmt.Fprintln(out)
+		if res.Mismatched > 0 {
+			return fmt.Errorf("%d corrupt blocks removed (memory errors?)", res.Mismatched)
+		}
 		return nil
 	case "reset-cache":
 		if err := fs.Parse(rest); err != nil {
