@@ -135,9 +135,9 @@ type tcpPeer struct {
 	ctx     context.Context
 	cancel  context.CancelFunc // ends the peer's dials (RemovePeer, Close)
 	out     []*outConn         // under the plane's mu
+	q       sendQueue
 	in      map[net.Conn]bool
 	readers sync.WaitGroup
-	next    int
 	dialMu  sync.Mutex // one dialler at a time
 }
 
@@ -149,14 +149,24 @@ type expectation struct {
 	drained func() // Unexpect's callback, when reading drops to 0
 }
 
-// outConn is one producer data connection with its writer goroutine.
+// outConn is one producer data connection with its writer goroutine. Its
+// state is guarded by its peer's queue lock.
 type outConn struct {
-	c     net.Conn
-	mu    sync.Mutex
-	cond  *sync.Cond
-	queue []*blockTask
-	dead  error
-	used  time.Time // the last block queued: an idle connection is replaced before the peer times it out
+	c    net.Conn
+	q    *sendQueue
+	dead error
+	busy bool      // writing a block now
+	used time.Time // the last block it took: an idle connection is replaced before the peer times it out
+}
+
+// sendQueue is the blocks a producer has to send a peer: every data
+// connection's writer takes the next one as it frees up (S7.1), so a slow
+// connection delays only the block it is writing.
+type sendQueue struct {
+	mu      sync.Mutex
+	cond    *sync.Cond
+	tasks   []*blockTask
+	writers int // live writer goroutines; the last to go fails what is left
 }
 
 type blockTask struct {
@@ -215,7 +225,9 @@ func (p *TCPPlane) AddPeer(peer, addr string, _ []byte) error {
 		return nil
 	}
 	ctx, cancel := context.WithCancel(context.Background())
-	p.peers[peer] = &tcpPeer{addr: addr, ctx: ctx, cancel: cancel, in: make(map[net.Conn]bool)}
+	tp := &tcpPeer{addr: addr, ctx: ctx, cancel: cancel, in: make(map[net.Conn]bool)}
+	tp.q.cond = sync.NewCond(&tp.q.mu)
+	p.peers[peer] = tp
 	return nil
 }
 
@@ -260,13 +272,13 @@ func (p *TCPPlane) RemovePeer(peer string, done func()) {
 }
 
 func (o *outConn) kill(err error) {
-	o.mu.Lock()
-	defer o.mu.Unlock()
+	o.q.mu.Lock()
+	defer o.q.mu.Unlock()
 	if o.dead == nil {
 		o.dead = err
 		o.c.Close()
 	}
-	o.cond.Broadcast()
+	o.q.cond.Broadcast()
 }
 
 // dial makes sure the producer has its Conns live connections to a
@@ -283,9 +295,9 @@ func (p *TCPPlane) dial(peer string, tp *tcpPeer) ([]*outConn, error) {
 	now := time.Now()
 	live := tp.out[:0]
 	for _, o := range tp.out {
-		o.mu.Lock()
-		stale := o.dead != nil || (p.cfg.IdleTimeout > 0 && len(o.queue) == 0 && now.Sub(o.used) > p.cfg.IdleTimeout/2)
-		o.mu.Unlock()
+		tp.q.mu.Lock()
+		stale := o.dead != nil || (p.cfg.IdleTimeout > 0 && !o.busy && len(tp.q.tasks) == 0 && now.Sub(o.used) > p.cfg.IdleTimeout/2)
+		tp.q.mu.Unlock()
 		if stale {
 			o.kill(ErrCanceled)
 			continue
@@ -325,8 +337,7 @@ func (p *TCPPlane) dial(peer string, tp *tcpPeer) ([]*outConn, error) {
 			}
 			return nil, err
 		}
-		o := &outConn{c: c, used: time.Now()}
-		o.cond = sync.NewCond(&o.mu)
+		o := &outConn{c: c, q: &tp.q, used: time.Now()}
 		p.mu.Lock()
 		if p.closed || p.peers[peer] != tp {
 			p.mu.Unlock()
@@ -334,6 +345,9 @@ func (p *TCPPlane) dial(peer string, tp *tcpPeer) ([]*outConn, error) {
 			return nil, ErrNoPeer
 		}
 		tp.out = append(tp.out, o)
+		tp.q.mu.Lock()
+		tp.q.writers++
+		tp.q.mu.Unlock()
 		p.wg.Go(func() { p.writer(o) })
 		p.mu.Unlock()
 	}
@@ -375,75 +389,75 @@ func (p *TCPPlane) Write(peer string, round uint64, pairs []SlotPair, done func(
 	// Dialling may block: do it off the caller's goroutine (started under
 	// mu, so never after Close's Wait began).
 	p.wg.Go(func() {
-		out, err := p.dial(peer, tp)
-		if err != nil {
+		if _, err := p.dial(peer, tp); err != nil {
 			w.left.Store(1)
 			w.finish(err)
 			return
 		}
-		bs := p.arena.SlotBytes()
-		p.mu.Lock()
-		first := tp.next
-		tp.next += len(pairs)
-		p.mu.Unlock()
-		for i, pr := range pairs {
-			if w.canceled.Load() {
-				w.finish(ErrCanceled)
-				continue
-			}
-			t := &blockTask{w: w, local: pr.Local, hdr: wire.DataHeader{Round: round, Slot: pr.Remote, Len: uint32(bs)}}
-			o := out[(first+i)%len(out)]
-			o.mu.Lock()
-			if o.dead != nil {
-				err := o.dead
-				o.mu.Unlock()
-				w.finish(err)
-				continue
-			}
-			o.queue = append(o.queue, t)
-			o.used = time.Now()
-			o.cond.Signal()
-			o.mu.Unlock()
+		bs := uint32(p.arena.SlotBytes())
+		q := &tp.q
+		q.mu.Lock()
+		if q.writers == 0 {
+			q.mu.Unlock()
+			w.left.Store(1)
+			w.finish(ErrNoPeer)
+			return
 		}
+		for _, pr := range pairs {
+			q.tasks = append(q.tasks, &blockTask{w: w, local: pr.Local, hdr: wire.DataHeader{Round: round, Slot: pr.Remote, Len: bs}})
+		}
+		q.cond.Broadcast()
+		q.mu.Unlock()
 		w.finish(nil)
 	})
 }
 
 func (p *TCPPlane) writer(o *outConn) {
 	var hdr [wire.DataHeaderSize]byte
+	q := o.q
 	for {
-		o.mu.Lock()
-		for len(o.queue) == 0 && o.dead == nil {
-			o.cond.Wait()
+		q.mu.Lock()
+		for len(q.tasks) == 0 && o.dead == nil {
+			q.cond.Wait()
 		}
 		if o.dead != nil {
-			q := o.queue
-			o.queue = nil
+			q.writers--
+			var orphans []*blockTask
+			if q.writers == 0 {
+				orphans, q.tasks = q.tasks, nil
+			}
 			err := o.dead
-			o.mu.Unlock()
-			for _, t := range q {
+			q.mu.Unlock()
+			for _, t := range orphans {
 				t.w.finish(err)
 			}
 			return
 		}
-		t := o.queue[0]
-		o.queue = o.queue[1:]
-		o.mu.Unlock()
-		if t.w.canceled.Load() {
+		t := q.tasks[0]
+		q.tasks[0] = nil
+		q.tasks = q.tasks[1:]
+		o.busy, o.used = true, time.Now()
+		q.mu.Unlock()
+		err := ErrCanceled
+		if !t.w.canceled.Load() {
+			// The block goes out with its CRC32C after it: the one recorded
+			// when it entered the CPU tier, so the block is read once (S7.2).
+			wire.PutDataHeader(hdr[:], t.hdr)
+			err = writeChecked(o.c, hdr[:], p.arena.Slot(int(t.local)), p.arena.SumOf(int(t.local)))
+			if err != nil {
+				o.kill(err)
+			} else {
+				p.bytesOut.Add(uint64(t.hdr.Len))
+			}
+		}
+		q.mu.Lock()
+		o.busy, o.used = false, time.Now()
+		q.mu.Unlock()
+		if errors.Is(err, ErrCanceled) {
 			t.w.finish(ErrCanceled)
 			continue
 		}
-		// The block goes out with its CRC32C after it: the one recorded
-		// when it entered the CPU tier, so the block is read once (S7.2).
-		slot := p.arena.Slot(int(t.local))
-		wire.PutDataHeader(hdr[:], t.hdr)
-		if err := writeChecked(o.c, hdr[:], slot, p.arena.SumOf(int(t.local))); err != nil {
-			o.kill(err)
-			t.w.finish(err)
-			continue
-		}
-		p.bytesOut.Add(uint64(t.hdr.Len))
-		t.w.finish(nil)
+		t.w.finish(err)
 	}
 }
 

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"hash/crc32"
+	"io"
 	"log/slog"
 	"net"
 	"sync"
@@ -714,4 +715,59 @@ func TestChecksumKeptWithSlot(t *testing.T) {
 	if v := stat(cons2, "kv_offload_p2p_crc_errors_total"); v != 1 {
 		t.Errorf("crc errors %v, want 1", v)
 	}
+}
+
+// S7.1: data connections take blocks from one queue as they free up: with
+// one of two connections stalled (its reader reads nothing), every block
+// but the one it took goes out on the other.
+func TestDataConnectionsShareOneQueue(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		mn := newMemNet()
+		prod := newNode(t, mn, nil, 16)
+		keys := testKeys(1, 6)
+		prod.store(t, keys)
+		dataL, _ := mn.Listen("fake:1")
+		f := connectFake(t, mn, prod, "fake")
+		f.send(wire.Lookup{ReqID: "kv", Round: 1, Keys: wkeys(keys)})
+		expect[wire.LookupResp](t, f)
+		slots := []uint32{0, 1, 2, 3, 4, 5}
+		f.send(wire.Fetch{ReqID: "kv", Round: 1, Keys: wkeys(keys), Slots: slots})
+		got := make(chan uint32, len(keys))
+		var stalled []net.Conn
+		for i := range 2 {
+			c, err := dataL.Accept()
+			if err != nil {
+				t.Fatal(err)
+			}
+			p, _ := wire.ReadFrame(c, nil, wire.MaxPreAuthFrame)
+			m, _ := wire.Decode(p)
+			h, _ := m.(wire.Hello)
+			if err := f.shaker().acceptData(c, h, func(peerID) bool { return true }); err != nil {
+				t.Fatal(err)
+			}
+			if i == 0 {
+				stalled = append(stalled, c) // reads nothing
+				continue
+			}
+			go func() {
+				for {
+					h, err := wire.ReadDataHeader(c)
+					if err != nil {
+						return
+					}
+					if _, err := io.CopyN(io.Discard, c, int64(h.Len)+wire.DataTrailerSize); err != nil {
+						return
+					}
+					got <- h.Slot
+				}
+			}()
+		}
+		synctest.Wait()
+		if n := len(got); n != len(keys)-1 {
+			t.Errorf("%d of %d blocks went out on the free connection, want %d", n, len(keys), len(keys)-1)
+		}
+		for _, c := range stalled {
+			c.Close()
+		}
+	})
 }
