@@ -2,6 +2,7 @@ package p2p
 
 import (
 	"fmt"
+	"strconv"
 	"time"
 
 	"github.com/kvtier/kvtier/offload"
@@ -63,7 +64,7 @@ func (t *Tier) serveLookup(s *session, l *plookup, now time.Time) bool {
 	m := l.msg
 	if l.req == nil {
 		t.lookupSeq++
-		l.req = &offload.Request{ID: fmt.Sprintf("p2p:%s:%s:%d:lu%d", s.peer, m.ReqID, m.Round, t.lookupSeq)}
+		l.req = &offload.Request{ID: "p2p:" + s.peer + ":" + m.ReqID + ":" + strconv.FormatUint(m.Round, 10) + ":lu" + strconv.FormatUint(t.lookupSeq, 10)}
 		if err := p.OnNewRequest(l.req); err != nil {
 			t.log.Warn("p2p: serving a lookup", "err", err)
 			l.req = nil

@@ -1,6 +1,7 @@
 package p2p
 
 import (
+	"bufio"
 	"bytes"
 	"errors"
 	"fmt"
@@ -289,8 +290,10 @@ func (t *Tier) flushDeferred(s *session) {
 
 func (t *Tier) reader(cc *ctrlConn) {
 	var buf []byte
+	// Buffered: a small frame usually arrives whole in one read (issue 12).
+	r := bufio.NewReaderSize(cc.c, 64<<10)
 	for {
-		p, err := wire.ReadFrame(cc.c, buf, wire.MaxFrame)
+		p, err := wire.ReadFrame(r, buf, wire.MaxFrame)
 		var m wire.Msg
 		if err == nil {
 			buf = p
