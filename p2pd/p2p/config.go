@@ -59,6 +59,11 @@ type Config struct {
 	MaxSessions   int `json:"max_sessions"`
 	MaxHandshakes int `json:"max_handshakes"`
 	MaxDataConns  int `json:"max_data_conns"`
+	// DataNice is the nice value (0–19) of the OS threads that move block
+	// bytes on TCP data connections, so bulk transfers yield the CPU to
+	// control frames, the engine and the admin API; 0 leaves them as the
+	// process.
+	DataNice int `json:"data_nice"`
 	// DataIdleTimeout closes an inbound data connection that carried no
 	// block for this long (the producer dials again when it needs one).
 	DataIdleTimeout offload.Duration `json:"data_idle_timeout"`
@@ -84,6 +89,7 @@ func DefaultConfig() Config {
 		MaxSessions:       256,
 		MaxHandshakes:     64,
 		MaxDataConns:      16,
+		DataNice:          10,
 		DataIdleTimeout:   offload.Duration(5 * time.Minute),
 		DataPlane:         "tcp",
 	}
@@ -121,6 +127,8 @@ func (c *Config) Validate() error {
 		return fmt.Errorf("%w: lookup_timeout: %v is negative", ErrConfig, time.Duration(c.LookupTimeout))
 	case c.DataConns < 1 || c.DataConns > 64:
 		return fmt.Errorf("%w: data_conns: %d is not in [1, 64]", ErrConfig, c.DataConns)
+	case c.DataNice < 0 || c.DataNice > 19:
+		return fmt.Errorf("%w: data_nice: %d is not in [0, 19]", ErrConfig, c.DataNice)
 	case c.MaxSessions < 1:
 		return fmt.Errorf("%w: max_sessions: %d is not positive", ErrConfig, c.MaxSessions)
 	case c.MaxHandshakes < 1:

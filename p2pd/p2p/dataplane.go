@@ -104,6 +104,9 @@ type TCPPlaneConfig struct {
 	// HandshakeTimeout bounds a data dial with its authentication
 	// (default 10s).
 	HandshakeTimeout time.Duration
+	// Nice runs each data connection's reader and writer on an OS thread
+	// of its own at this nice value (0: as the process).
+	Nice int
 }
 
 // maxDead bounds the cancelled rounds whose stray blocks are drained
@@ -413,6 +416,7 @@ func (p *TCPPlane) Write(peer string, round uint64, pairs []SlotPair, done func(
 }
 
 func (p *TCPPlane) writer(o *outConn) {
+	lowerPriority(p.cfg.Nice)
 	var hdr [wire.DataHeaderSize]byte
 	q := o.q
 	for {
@@ -535,6 +539,7 @@ func (p *TCPPlane) Accept(c net.Conn, h wire.Hello) {
 	defer p.mu.Unlock() // the goroutine starts under mu, never after Close's Wait began
 	p.wg.Go(func() {
 		defer tp.readers.Done()
+		lowerPriority(p.cfg.Nice)
 		err := p.read(h.NodeID, c)
 		p.mu.Lock()
 		delete(tp.in, c)

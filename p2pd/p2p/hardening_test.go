@@ -1,6 +1,7 @@
 package p2p
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -8,6 +9,9 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"os"
+	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"testing/synctest"
@@ -770,4 +774,55 @@ func TestDataConnectionsShareOneQueue(t *testing.T) {
 			c.Close()
 		}
 	})
+}
+
+// Issue 12: a data connection's reader runs on an OS thread of its own at
+// data_nice, so bulk bytes yield the CPU to control and the engine.
+func TestBulkThreadsNiced(t *testing.T) {
+	nd := newNode(t, newMemNet(), nil, 4)
+	const nice = 7
+	p := NewTCPPlane(nd.m.Arena(), nil, TCPPlaneConfig{Conns: 1, Nice: nice}, slog.New(slog.DiscardHandler))
+	defer p.Close()
+	if err := p.AddPeer("prod", "prod:1", nil); err != nil {
+		t.Fatal(err)
+	}
+	a, b := net.Pipe()
+	defer b.Close()
+	p.Accept(a, wire.Hello{NodeID: "prod"})
+	deadline := time.Now().Add(5 * time.Second)
+	for niced(t, nice) == 0 {
+		if time.Now().After(deadline) {
+			t.Fatalf("no thread at nice %d while a data connection is read", nice)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	b.Close()
+	deadline = time.Now().Add(5 * time.Second)
+	for niced(t, nice) != 0 { // the reader's thread ends with it
+		if time.Now().After(deadline) {
+			t.Fatalf("a thread stayed at nice %d after its data connection closed", nice)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// niced counts this process's threads at nice.
+func niced(t *testing.T, nice int) int {
+	dirs, err := os.ReadDir("/proc/self/task")
+	if err != nil {
+		t.Skipf("no /proc: %v", err)
+	}
+	n := 0
+	for _, d := range dirs {
+		b, err := os.ReadFile("/proc/self/task/" + d.Name() + "/stat")
+		if err != nil {
+			continue
+		}
+		// Fields after the command's closing parenthesis; nice is field 19.
+		f := strings.Fields(string(b[bytes.LastIndexByte(b, ')')+1:]))
+		if len(f) > 16 && f[16] == strconv.Itoa(nice) {
+			n++
+		}
+	}
+	return n
 }

@@ -289,7 +289,7 @@ func New(cfg Config, node offload.Config, n Network, env offload.TierEnv) (*Tier
 		}
 	default:
 		t.dp = NewTCPPlane(env.Arena, n, TCPPlaneConfig{Conns: cfg.DataConns, MaxIn: cfg.MaxDataConns,
-			IdleTimeout: time.Duration(cfg.DataIdleTimeout), Auth: t.authData, HandshakeTimeout: time.Duration(cfg.HandshakeTimeout)}, log)
+			IdleTimeout: time.Duration(cfg.DataIdleTimeout), Auth: t.authData, HandshakeTimeout: time.Duration(cfg.HandshakeTimeout), Nice: cfg.DataNice}, log)
 	}
 	t.hs = &handshaker{self: peerID{t.self.NodeID, t.self.Incarnation}, token: []byte(cfg.ClusterToken),
 		connect: wire.Connect{NodeID: t.self.NodeID, Incarnation: t.self.Incarnation, Version: wire.Version,
