@@ -17,6 +17,7 @@ import (
 
 	"github.com/kvtier/kvtier/offload"
 	"github.com/kvtier/kvtier/p2pd/node"
+	"github.com/kvtier/kvtier/p2pd/p2p"
 )
 
 func main() {
@@ -97,6 +98,8 @@ func parse(args []string) (node.Config, error) {
 		tlsCA      = fs.String("p2p-tls-ca", "", "P2P mutual TLS: the cluster CA certificates (PEM)")
 		peers      = fs.String("peers", "", "comma-separated peers dialled at start")
 		dataPlane  = fs.String("data-plane", "tcp", "P2P data plane: tcp, or nixl in a binary built with -tags nixl")
+		dataConns  = fs.Int("data-conns", p2p.DefaultConfig().DataConns, "TCP data connections per peer")
+		dataNice   = fs.Int("data-nice", p2p.DefaultConfig().DataNice, "nice value (0-19) of the threads moving block bytes")
 		grace      = fs.Duration("shutdown-grace", 30*time.Second, "grace for running requests on shutdown")
 		copies     = fs.String("copy-backend", "auto", "GPU copies: auto, cuda or host")
 		logFormat  = fs.String("log-format", "text", "text or json")
@@ -165,6 +168,8 @@ func parse(args []string) (node.Config, error) {
 	apply("shutdown-grace", func() { cfg.ShutdownGrace = offload.Duration(*grace) })
 	apply("copy-backend", func() { cfg.CopyBackend = *copies })
 	apply("data-plane", func() { cfg.DataPlane = *dataPlane })
+	apply("data-conns", func() { cfg.DataConns = *dataConns })
+	apply("data-nice", func() { cfg.DataNice = *dataNice })
 	apply("log-format", func() { cfg.LogFormat = *logFormat })
 	apply("log-level", func() { cfg.LogLevel = *logLevel })
 	if set["peers"] || (*configFile == "" && *peers != "") {

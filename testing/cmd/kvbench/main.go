@@ -50,6 +50,14 @@ type Row struct {
 	Verdict  string `json:"verdict"`
 }
 
+// daemonArgs are extra p2pd arguments (-p2pd-arg).
+var daemonArgs argList
+
+type argList []string
+
+func (a *argList) String() string     { return strings.Join(*a, " ") }
+func (a *argList) Set(v string) error { *a = append(*a, v); return nil }
+
 func main() {
 	if len(os.Args) > 1 && os.Args[1] == "sink" {
 		sink()
@@ -60,6 +68,7 @@ func main() {
 	rounds := flag.Int("rounds", 3, "timed rounds of B1")
 	planes := flag.String("data-planes", "tcp", "P2P data planes to measure B1 over: tcp, tcp+token (a cluster token on both daemons), tcp+tls (mutual TLS on, certificates from a throwaway CA), tcp+token+tls, nixl (needs p2pd built with make build-nixl)")
 	out := flag.String("json", "kvbench.json", "where to write the table as JSON")
+	flag.Var(&daemonArgs, "p2pd-arg", "an argument for both p2pd daemons (repeatable), e.g. -p2pd-arg=-data-conns=1")
 	flag.Parse()
 	rows, err := run(*bin, strings.Split(*planes, ","), *blocks, *rounds)
 	print(rows)
@@ -110,7 +119,7 @@ func startPair(dir, bin, plane string, blocks int) (*pair, error) {
 	// (correctly) make the consumer recompute instead of fetching.
 	base, withTLS := strings.CutSuffix(plane, "+tls")
 	base, withToken := strings.CutSuffix(base, "+token")
-	args := []string{"-hit-pending-timeout", "60s", "-data-plane", base}
+	args := append([]string{"-hit-pending-timeout", "60s", "-data-plane", base}, daemonArgs...)
 	if withToken {
 		tok := filepath.Join(dir, "token-"+plane)
 		if err := os.WriteFile(tok, []byte("kvbench-token\n"), 0o600); err != nil {
