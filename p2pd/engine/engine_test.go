@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"hash/crc32"
+	"strings"
 	"testing"
 	"time"
 
@@ -142,4 +143,38 @@ func TestStoredBlocksKeepChecksums(t *testing.T) {
 		s.CompleteLoad(keys, req)
 		s.OnRequestFinished(req)
 	})
+}
+
+// Issue 12: kv_digest is exact by default (SHA-256 over the KV), cheaper
+// on request (crc32c), or skipped (none); equal prompts give equal
+// digests of a kind, different prompts different ones; an unknown kind is
+// refused.
+func TestDigestKinds(t *testing.T) {
+	e, _ := newEngine(t, 64, 32)
+	ctx := context.Background()
+	run := func(id string, seed int, kind string) Result {
+		t.Helper()
+		r, err := e.Submit(ctx, Request{ID: id, Tokens: tokens(seed, 16*4), Digest: kind})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return r
+	}
+	sha := run("a", 1, "")
+	if len(sha.KVDigest) != 64 {
+		t.Errorf("default digest %q, want 64 hex digits of SHA-256", sha.KVDigest)
+	}
+	if again := run("b", 1, DigestSHA256); again.KVDigest != sha.KVDigest {
+		t.Errorf("sha256 of the same prompt: %s, want %s", again.KVDigest, sha.KVDigest)
+	}
+	c1, c2, other := run("c", 1, DigestCRC32C), run("d", 1, DigestCRC32C), run("e", 2, DigestCRC32C)
+	if !strings.HasPrefix(c1.KVDigest, "crc32c:") || c1.KVDigest != c2.KVDigest || c1.KVDigest == other.KVDigest {
+		t.Errorf("crc32c digests %q, %q (same prompt), %q (another)", c1.KVDigest, c2.KVDigest, other.KVDigest)
+	}
+	if none := run("f", 1, DigestNone); none.KVDigest != "" {
+		t.Errorf("digest none gave %q", none.KVDigest)
+	}
+	if _, err := e.Submit(ctx, Request{ID: "g", Tokens: tokens(1, 16), Digest: "md5"}); !errors.Is(err, ErrBadDigest) {
+		t.Errorf("digest md5: %v, want ErrBadDigest", err)
+	}
 }

@@ -6,6 +6,8 @@ import (
 	"encoding/binary"
 	"encoding/hex"
 	"fmt"
+	"hash/crc32"
+	"slices"
 	"time"
 
 	"github.com/kvtier/kvtier/cudakv"
@@ -244,6 +246,9 @@ func (e *Engine) finishCommands() bool {
 
 func (e *Engine) copying() bool {
 	for _, j := range e.active {
+		if j.digesting() {
+			return true
+		}
 		if j.copying {
 			if done, _ := j.ticket.Done(); !done {
 				return true
@@ -259,6 +264,10 @@ func (e *Engine) reap() {
 	kept := e.active[:0]
 	for _, j := range e.active {
 		if j.reply == nil {
+			if j.digesting() {
+				kept = append(kept, j)
+				continue
+			}
 			if j.copying {
 				if done, _ := j.ticket.Done(); !done {
 					kept = append(kept, j)
@@ -472,24 +481,75 @@ func (e *Engine) copied(j *job, err error) {
 	}
 }
 
-// answer computes the request's KV digest, finishes it with the manager
-// and replies.
+// answer finishes a request with the manager and replies; the KV digest,
+// when asked for, is computed on a goroutine of its own (it reads every
+// GPU block: up to a second a GiB), which keeps the job's GPU blocks until
+// it is done, so the engine loop goes on scheduling meanwhile.
 func (e *Engine) answer(j *job) {
 	elapsed := time.Since(j.start) // the prefill is done; the digest is extra
-	h := sha256.New()
-	buf := e.block()
-	for _, b := range j.gpu {
-		if err := e.mv.ReadBlock(int(b), buf); err != nil {
-			e.fail(j, err)
+	res := Result{RequestID: j.r.ID, Blocks: len(j.keys), Sources: j.src, ElapsedMS: float64(elapsed.Microseconds()) / 1000}
+	e.m.Do(func(s *offload.Step) { s.OnRequestFinished(j.req) })
+	reply, kind := j.reply, j.r.Digest
+	j.reply, j.req = nil, nil
+	if kind == DigestNone {
+		reply <- jobReply{res: res}
+		return
+	}
+	gpu := slices.Clone(j.gpu)
+	done := make(chan struct{})
+	j.digest = done
+	e.wg.Go(func() {
+		defer func() {
+			close(done)
+			signal(e.wake) // reap frees the GPU blocks
+		}()
+		d, err := e.digestOf(kind, gpu)
+		if err != nil {
+			e.log.Warn("engine: request failed", "request", res.RequestID, "err", err)
+			reply <- jobReply{err: err}
 			return
 		}
-		h.Write(buf)
+		res.KVDigest = d
+		reply <- jobReply{res: res}
+	})
+}
+
+// digestOf computes a kv_digest over GPU blocks.
+func (e *Engine) digestOf(kind string, gpu []int32) (string, error) {
+	buf := e.digestBufs.Get().(*[]byte)
+	defer e.digestBufs.Put(buf)
+	h := sha256.New()
+	var crc [4]byte
+	for _, b := range gpu {
+		if err := e.mv.ReadBlock(int(b), *buf); err != nil {
+			return "", err
+		}
+		if kind == DigestCRC32C {
+			binary.BigEndian.PutUint32(crc[:], crc32.Checksum(*buf, offload.Castagnoli))
+			h.Write(crc[:])
+			continue
+		}
+		h.Write(*buf)
 	}
-	e.m.Do(func(s *offload.Step) { s.OnRequestFinished(j.req) })
-	j.reply <- jobReply{res: Result{RequestID: j.r.ID, Blocks: len(j.keys), Sources: j.src,
-		KVDigest: hex.EncodeToString(h.Sum(nil)), ElapsedMS: float64(elapsed.Microseconds()) / 1000}}
-	j.reply = nil
-	j.req = nil
+	d := hex.EncodeToString(h.Sum(nil))
+	if kind == DigestCRC32C {
+		d = "crc32c:" + d
+	}
+	return d, nil
+}
+
+// digesting says whether the job's digest goroutine still reads its GPU
+// blocks.
+func (j *job) digesting() bool {
+	if j.digest == nil {
+		return false
+	}
+	select {
+	case <-j.digest:
+		return false
+	default:
+		return true
+	}
 }
 
 // block returns the loop's one block buffer: reusing it keeps the heap

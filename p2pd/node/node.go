@@ -407,6 +407,8 @@ type requestBody struct {
 	Seed           *uint64        `json:"seed"`
 	Tokens         int            `json:"tokens"`
 	TransferParams transferParams `json:"kv_transfer_params"`
+	// Digest is how kv_digest is computed: sha256 (default), crc32c, none.
+	Digest string `json:"kv_digest"`
 }
 
 // Limits of POST /v0/requests (S8.3). A body costs at most what a valid
@@ -575,13 +577,13 @@ func (n *Node) request(w http.ResponseWriter, r *http.Request) {
 		fail(w, 400, "%v", err)
 		return
 	}
-	res, err := n.Eng.Submit(r.Context(), engine.Request{ID: b.RequestID, Tokens: tokens, TransferParams: b.TransferParams.m})
+	res, err := n.Eng.Submit(r.Context(), engine.Request{ID: b.RequestID, Tokens: tokens, TransferParams: b.TransferParams.m, Digest: b.Digest})
 	switch {
 	case err == nil:
 		reply(w, 200, res)
 	case errors.Is(err, engine.ErrShuttingDown):
 		fail(w, 503, "%v", err)
-	case errors.Is(err, engine.ErrTooLarge), errors.Is(err, offload.ErrRequestExists):
+	case errors.Is(err, engine.ErrTooLarge), errors.Is(err, offload.ErrRequestExists), errors.Is(err, engine.ErrBadDigest):
 		fail(w, 400, "%v", err)
 	case errors.Is(err, engine.ErrAborted):
 		fail(w, 409, "%v", err)

@@ -34,7 +34,8 @@ commands:
   reset-cache
   scrub                                    verify every CPU block against its checksum
   submit (--tokens-seed S --tokens N | --tokens-file F)
-         [--remote-kv-source host:port --kv-request-id ID] [--request-id ID] [--json]
+         [--remote-kv-source host:port --kv-request-id ID] [--request-id ID]
+         [--digest sha256|crc32c|none] [--json]
   metrics                                  Prometheus text
   peers [--json]
 `
@@ -190,6 +191,7 @@ func run(args []string, out, errw io.Writer) error {
 		src := fs.String("remote-kv-source", "", "host:port of a peer to fetch KV from")
 		kvID := fs.String("kv-request-id", "", "the request id both peers use")
 		id := fs.String("request-id", "", "this node's request id (default: generated)")
+		digest := fs.String("digest", "", "kv_digest: sha256 (default), crc32c (cheaper) or none")
 		if err := fs.Parse(rest); err != nil {
 			return usageError{err.Error()}
 		}
@@ -212,6 +214,9 @@ func run(args []string, out, errw io.Writer) error {
 		}
 		if *id != "" {
 			body["request_id"] = *id
+		}
+		if *digest != "" {
+			body["kv_digest"] = *digest
 		}
 		if *src != "" {
 			host, port, err := net.SplitHostPort(*src)
