@@ -220,7 +220,7 @@ func (hs *handshaker) check(h *hsConn, want peerID, m wire.Connect) error {
 
 // verify checks a proof; without a token every proof passes (the node
 // warned at start that its port is unauthenticated).
-func (hs *handshaker) verify(key []byte, got, want [32]byte) bool {
+func (hs *handshaker) verify(got, want [32]byte) bool {
 	return len(hs.token) == 0 || hmac.Equal(got[:], want[:])
 }
 
@@ -249,7 +249,7 @@ func (hs *handshaker) dialControl(c net.Conn) (shaken, error) {
 	if err != nil {
 		return shaken{}, err
 	}
-	if !hs.verify(hs.token, a.Proof, hs.controlProof("acceptor", hs.self, peer, nonce, ch.Nonce, bind)) {
+	if !hs.verify(a.Proof, hs.controlProof("acceptor", hs.self, peer, nonce, ch.Nonce, bind)) {
 		return shaken{}, h.reject(wire.CodeAuth, "the acceptor's proof failed")
 	}
 	if err := h.write(hs.connect); err != nil {
@@ -285,7 +285,7 @@ func (hs *handshaker) acceptControl(c net.Conn, hello wire.Hello) (shaken, error
 		return shaken{}, err
 	}
 	bind := binding(c)
-	if !hs.verify(hs.token, a.Proof, hs.controlProof("dialer", peer, hs.self, hello.Nonce, nonce, bind)) {
+	if !hs.verify(a.Proof, hs.controlProof("dialer", peer, hs.self, hello.Nonce, nonce, bind)) {
 		return shaken{}, h.reject(wire.CodeAuth, "cluster token proof failed")
 	}
 	if err := h.write(wire.Auth{Proof: hs.controlProof("acceptor", peer, hs.self, hello.Nonce, nonce, bind)}); err != nil {

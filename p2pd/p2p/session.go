@@ -20,12 +20,11 @@ import (
 // beside it without losing a frame. Fields are touched under the manager
 // lock.
 type session struct {
-	t       *Tier
-	dialed  bool
-	addr    string // what we dialled
-	created time.Time
-	conn    *ctrlConn   // the active connection; nil while dialling
-	old     []*ctrlConn // duplicates retiring
+	t      *Tier
+	dialed bool
+	addr   string      // what we dialled
+	conn   *ctrlConn   // the active connection; nil while dialling
+	old    []*ctrlConn // duplicates retiring
 
 	peer     string
 	peerInc  [16]byte
@@ -78,7 +77,7 @@ type roundID struct {
 }
 
 func (t *Tier) newSession(dialed bool, addr string) *session {
-	s := &session{t: t, dialed: dialed, addr: addr, created: time.Now(), creqs: map[string]*creq{},
+	s := &session{t: t, dialed: dialed, addr: addr, creqs: map[string]*creq{},
 		rounds: map[roundID]*pround{}, pins: map[uint64]*pround{}, loads: map[uint64]*load{}}
 	t.sessions[s] = true
 	return s
