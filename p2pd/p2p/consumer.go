@@ -149,7 +149,8 @@ func (t *Tier) SubmitLoad(job *offload.Job) {
 	cr.unsent = nil
 	cr.round = 0
 	cr.askedAt = time.Time{}
-	t.env.Wake() // the load's timeout needs the timer armed
+	t.armBy(l.sent.Add(time.Duration(t.cfg.LoadTimeout))) // the load's timeout
+	t.armBy(s.lastRecv.Add(time.Duration(t.cfg.KeepaliveInterval)))
 }
 
 // errUnknownRound is an answer for a round this node never started: a

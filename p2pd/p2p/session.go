@@ -229,7 +229,7 @@ func (t *Tier) retire(cc *ctrlConn) {
 	if cc.peerDone {
 		t.finishConn(cc)
 	}
-	t.env.Wake() // the retirement's bound needs the timer armed
+	t.armBy(cc.retiredAt.Add(time.Duration(t.cfg.KeepaliveTimeout))) // the retirement's bound
 }
 
 // maxRetiring bounds a session's retiring duplicates.

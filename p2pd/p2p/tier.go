@@ -646,6 +646,14 @@ func (t *Tier) Serve(p offload.Parent) error {
 	return nil
 }
 
+// armBy makes sure the timer wakes the poll goroutine by d, without a
+// poll pass now (a wake per lookup was a wasted hop on the round trip).
+func (t *Tier) armBy(d time.Time) {
+	if t.timerAt.IsZero() || d.Before(t.timerAt) {
+		t.arm(d)
+	}
+}
+
 // arm makes the timer wake the poll goroutine at d (zero: disarm).
 func (t *Tier) arm(d time.Time) {
 	if t.timer == nil {
@@ -676,8 +684,9 @@ func (t *Tier) OnScheduleEnd() {
 			}
 			if !cr.waiting() { // the lookup's bound starts (S6.10)
 				cr.askedAt = time.Now()
-				t.env.Wake() // and needs the timer armed
+				t.armBy(cr.askedAt.Add(t.cfg.lookupTimeout()))
 			}
+			t.armBy(s.lastRecv.Add(time.Duration(t.cfg.KeepaliveInterval))) // pings while it is outstanding (S6.9)
 			t.send(s, wire.Lookup{ReqID: cr.kvID, Round: cr.round, Keys: toWire(cr.unsent)})
 			cr.unsent = nil
 			cr.lookupOpen = true

@@ -165,7 +165,9 @@ func benchLookupRTT(b *testing.B, edit func(name string) func(*p2p.Config)) {
 	prod := NewNode(b, tiny, 64, nil, edit("producer"))
 	cons := NewNode(b, tiny, 64, nil, edit("consumer"))
 	keys := Keys(9, 16, tiny.BlockTokens)
-	var rtts []time.Duration
+	plain := newPlainPair(b, 4+1+2+8+8+4+16*32, 4+1+2+8+8+4+16*33)
+	defer plain.stop()
+	var rtts, base []time.Duration
 	i := 0
 	for b.Loop() {
 		req := &offload.Request{ID: fmt.Sprintf("rtt-%d", i), TransferParams: Source(fmt.Sprintf("rtt-%d", i), prod.Tier.Addr())}
@@ -191,8 +193,8 @@ func benchLookupRTT(b *testing.B, edit func(name string) func(*p2p.Config)) {
 		}
 		rtts = append(rtts, time.Since(t0))
 		cons.M.Do(func(s *offload.Step) { s.Abort(req) })
+		base = append(base, plain.rtt(b)) // interleaved one to one
 	}
-	base := plainRTT(b, len(rtts), 4+1+2+8+8+4+16*32, 4+1+2+8+8+4+16*33)
 	p50, p99 := percentile(rtts, 50), percentile(rtts, 99)
 	b50, b99 := percentile(base, 50), percentile(base, 99)
 	b.ReportMetric(float64(p50.Microseconds()), "p50-µs")
@@ -210,14 +212,21 @@ func percentile(ds []time.Duration, p int) time.Duration {
 
 // plainRTT times n request/response exchanges of the given sizes over one
 // loopback TCP connection.
-func plainRTT(b *testing.B, n, reqSize, respSize int) []time.Duration {
+// plainPair is a plain TCP request/response of fixed sizes between two
+// goroutines over loopback: B5's baseline, asked one to one beside each
+// P2P lookup so both see the same machine state.
+type plainPair struct {
+	c         net.Conn
+	req, resp []byte
+	stop      func()
+}
+
+func newPlainPair(b *testing.B, reqSize, respSize int) *plainPair {
 	ln, err := p2p.TCP{}.Listen("127.0.0.1:0")
 	if err != nil {
 		b.Fatal(err)
 	}
-	defer ln.Close()
 	var wg sync.WaitGroup
-	defer wg.Wait()
 	wg.Go(func() {
 		c, err := ln.Accept()
 		if err != nil {
@@ -236,18 +245,23 @@ func plainRTT(b *testing.B, n, reqSize, respSize int) []time.Duration {
 	})
 	c, err := p2p.TCP{}.Dial(context.Background(), ln.Addr().String())
 	if err != nil {
+		ln.Close()
+		wg.Wait()
 		b.Fatal(err)
 	}
-	defer c.Close()
-	req, resp := make([]byte, reqSize), make([]byte, respSize)
-	out := make([]time.Duration, 0, n)
-	for range n {
-		t0 := time.Now()
-		c.Write(req)
-		if _, err := io.ReadFull(c, resp); err != nil {
-			b.Fatal(err)
-		}
-		out = append(out, time.Since(t0))
+	return &plainPair{c: c, req: make([]byte, reqSize), resp: make([]byte, respSize), stop: func() {
+		c.Close()
+		ln.Close()
+		wg.Wait()
+	}}
+}
+
+// rtt times one request/response.
+func (p *plainPair) rtt(b *testing.B) time.Duration {
+	t0 := time.Now()
+	p.c.Write(p.req)
+	if _, err := io.ReadFull(p.c, p.resp); err != nil {
+		b.Fatal(err)
 	}
-	return out
+	return time.Since(t0)
 }
