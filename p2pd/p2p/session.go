@@ -139,8 +139,11 @@ func (t *Tier) established(pending *session, c net.Conn, sh shaken) {
 	if int(t.nready.Load()) >= t.cfg.MaxSessions {
 		t.rejects.add(false, wire.CodeCapacity)
 		t.logReject("p2p: session cap reached; refusing a peer", "peer", pc.NodeID, "max_sessions", t.cfg.MaxSessions)
-		wire.Write(c, nil, wire.Disconnect{Code: wire.CodeCapacity, Reason: "too many sessions"})
-		c.Close()
+		t.wg.Go(func() { // not under the manager lock: the peer may not read
+			c.SetWriteDeadline(time.Now().Add(time.Second))
+			wire.Write(c, nil, wire.Disconnect{Code: wire.CodeCapacity, Reason: "too many sessions"})
+			c.Close()
+		})
 		if pending != nil {
 			t.kill(pending, "session cap reached")
 		}
