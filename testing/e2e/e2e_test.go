@@ -356,6 +356,9 @@ func TestAdminAPI(t *testing.T) {
 		{"GET", "/v0/health", ``, 200},
 		{"GET", "/debug/vars", ``, 200},
 		{"POST", "/v0/requests", `{"seed": 1, "tokens": 48}`, 200},
+		{"POST", "/v0/requests", `{"seed": 2, "tokens": 48, "kv_digest": "md5"}`, 400},
+		{"POST", "/v0/requests", `{"seed": 2, "tokens": 48, "kv_digest": "crc32c"}`, 200},
+		{"POST", "/v0/scrub", ``, 200},
 	} {
 		req, _ := http.NewRequest(tc.method, "http://p2pd"+tc.path, strings.NewReader(tc.body))
 		resp, err := c.Do(req)
@@ -371,6 +374,15 @@ func TestAdminAPI(t *testing.T) {
 		if tc.code == 400 && body["error"] == "" {
 			t.Errorf("%s %s: 400 without an error message", tc.method, tc.path)
 		}
+		if tc.path == "/v0/health" && body["ok"] != true {
+			t.Errorf("health %v, want ok", body)
+		}
+		if tc.path == "/v0/scrub" && (body["checked"] != float64(6) || body["mismatched"] != float64(0)) {
+			t.Errorf("scrub %v, want the 6 stored blocks checked, none mismatched", body)
+		}
+	}
+	if out, code := n.kvctl("scrub"); code != 0 || !strings.Contains(out, "scrubbed 6 blocks") {
+		t.Errorf("kvctl scrub: %d %q", code, out)
 	}
 }
 
