@@ -23,6 +23,9 @@ type BenchConfig struct {
 	Device   int
 	// Baselines beside the ceiling (CUDA): "per-segment", "batched".
 	Baselines []string
+	// Checksums has stores compute each block's CRC32C (Spec.Checksums),
+	// as the engine's do.
+	Checksums bool
 }
 
 // BenchPoint is one measured configuration: GB/s is the median over the
@@ -89,7 +92,7 @@ func benchLayout(cfg BenchConfig, layers, seg int, progress io.Writer) ([]BenchP
 	if cfg.Backend == "host" || len(grids) == 0 {
 		grids = []grid{{}}
 	}
-	m, err := Open(Spec{Layout: layout, Arena: arena, SlotStride: stride, Backend: cfg.Backend, Device: cfg.Device, CTAs: grids[0].ctas, Threads: grids[0].threads})
+	m, err := Open(Spec{Layout: layout, Arena: arena, SlotStride: stride, Backend: cfg.Backend, Device: cfg.Device, CTAs: grids[0].ctas, Threads: grids[0].threads, Checksums: cfg.Checksums})
 	if err != nil {
 		return nil, err
 	}

@@ -38,14 +38,16 @@ func main() {
 	reps := flag.Int("reps", 10, "timed repetitions per point (after 3 warm-ups)")
 	baselines := flag.String("baselines", "per-segment,batched", "baselines beside the ceiling (cuda): per-segment, batched; none for neither")
 	jsonOut := flag.String("json", "cudakv-bench.json", "where to write every point")
+	checksums := flag.Bool("checksums", false, "stores compute each block's CRC32C as they copy (as the engine's do; the host backend only so far)")
 	flag.Parse()
 	cfg := cudakv.BenchConfig{
-		Backend: *backend,
-		Layers:  ints("layers", *layers),
-		CTAs:    ints("ctas", *ctas),
-		Threads: ints("threads", *threads),
-		Blocks:  *blocks,
-		Reps:    *reps,
+		Backend:   *backend,
+		Layers:    ints("layers", *layers),
+		CTAs:      ints("ctas", *ctas),
+		Threads:   ints("threads", *threads),
+		Blocks:    *blocks,
+		Reps:      *reps,
+		Checksums: *checksums,
 	}
 	for _, k := range ints("segments-kib", *segs) {
 		cfg.Segments = append(cfg.Segments, k<<10)
