@@ -223,16 +223,22 @@ func (c *CPUTier) reserve(keys []Key, writer Owner, supersede bool) (added []Key
 	return added, slots, evicted, true
 }
 
-// drop removes a ready, unpinned block whose bytes disagree with its
-// checksum (Scrub), reporting its removal; false when k is gone, being
-// written or pinned.
-func (c *CPUTier) drop(k Key) bool {
-	e, ok := c.entries[k]
-	if !ok || e.writing || len(e.pins) > 0 {
+// drop removes the ready block e of k whose bytes disagree with its
+// checksum (Scrub), reporting its removal; false when k no longer maps to
+// e or e is being written. A pinned block leaves lookups at once and its
+// slot is freed on its last unpin, as a reset does (S7.2: never served).
+func (c *CPUTier) drop(k Key, e *cpuEntry) bool {
+	if c.entries[k] != e || e.writing {
 		return false
 	}
 	c.policy.Remove(k)
-	c.release(k)
+	if len(e.pins) > 0 {
+		delete(c.entries, k)
+		c.pinned--
+		c.detach(k, e)
+	} else {
+		c.release(k)
+	}
 	c.scrubMismatches++
 	c.report(EventRemoved, []Key{k})
 	return true

@@ -22,7 +22,9 @@ type ScrubResult struct {
 // scrubBatch is how many blocks a scrub pins at once.
 const scrubBatch = 64
 
-var scrubOwner = RequestOwner("scrub")
+// scrubOwner owns a scrub's pins: a job id no job has, so no request's
+// abort can take them away.
+var scrubOwner = JobOwner(^uint64(0))
 
 // Scrub verifies every ready block of the CPU tier against the CRC32C
 // kept with its slot (S7.2). It pins a batch at a time and reads the
@@ -45,35 +47,38 @@ func (m *Manager) Scrub(ctx context.Context) (ScrubResult, error) {
 		m.mu.Lock()
 		var pinned []Key
 		var slots []int32
+		var ents []*cpuEntry
 		for _, k := range batch {
 			if e, ok := m.mu.cpu.entries[k]; ok && !e.writing && !m.mu.closed {
 				s, _ := m.mu.cpu.Pin([]Key{k}, scrubOwner, false)
-				pinned, slots = append(pinned, k), append(slots, s[0])
+				pinned, slots, ents = append(pinned, k), append(slots, s[0]), append(ents, e)
 			}
 		}
 		m.unlock()
-		var bad []Key
-		for i, k := range pinned {
+		var bad []int
+		for i := range pinned {
 			got := crc32.Checksum(arena.Slot(int(slots[i])), Castagnoli)
 			switch want, ok := arena.Sum(int(slots[i])); {
 			case !ok:
 				arena.SetSum(int(slots[i]), got)
 				res.Unrecorded++
 			case got != want:
-				bad = append(bad, k)
+				bad = append(bad, i)
 			}
 			res.Checked++
 		}
 		m.mu.Lock()
 		m.mu.cpu.Unpin(pinned, scrubOwner)
-		for _, k := range bad {
-			if m.mu.cpu.drop(k) {
-				res.Mismatched++
+		removed := 0
+		for _, i := range bad { // the entry scrubbed, not whatever holds its key now
+			if m.mu.cpu.drop(pinned[i], ents[i]) {
+				removed++
 			}
 		}
 		m.unlock()
-		if len(bad) > 0 {
-			m.log.Error("offload: blocks whose bytes disagree with their checksum were removed", "blocks", len(bad))
+		res.Mismatched += removed
+		if removed > 0 {
+			m.log.Error("offload: blocks whose bytes disagree with their checksum were removed", "blocks", removed)
 		}
 	}
 	return res, nil

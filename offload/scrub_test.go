@@ -111,3 +111,44 @@ func TestDiskWritesRecordedSum(t *testing.T) {
 		s.OnRequestFinished(req2)
 	})
 }
+
+// S7.2: a corrupt block that a reader holds pinned is removed too: lookups
+// miss it at once and its slot is freed on the reader's last unpin.
+func TestScrubPinned(t *testing.T) {
+	m := testManager(t, 4)
+	keys := BlockKeys(DefaultHashSeed, 16, make([]uint32, 16))
+	w, r := &Request{ID: "w"}, &Request{ID: "r"}
+	var slot int32
+	m.Do(func(s *Step) {
+		s.OnNewRequest(w)
+		p, _ := s.PrepareStore(keys, w)
+		fill(m.Arena().Slot(int(p.Slots[0])), keys[0])
+		m.Arena().SetSum(int(p.Slots[0]), crc32.Checksum(m.Arena().Slot(int(p.Slots[0])), Castagnoli))
+		s.CompleteStore(p.Keys, w, true)
+		s.OnRequestFinished(w)
+		s.OnNewRequest(r)
+		if s.Lookup(keys[0], r) != Hit {
+			t.Fatal("not stored")
+		}
+		slots, err := s.PrepareLoad(keys, r) // the reader's pin
+		if err != nil {
+			t.Fatal(err)
+		}
+		slot = slots[0]
+	})
+	m.Arena().Slot(int(slot))[0] ^= 1
+	res, err := m.Scrub(context.Background())
+	if err != nil || res.Mismatched != 1 {
+		t.Fatalf("scrub %+v, %v: want the pinned corrupt block removed", res, err)
+	}
+	m.Do(func(s *Step) {
+		if got := s.Lookup(keys[0], r); got == Hit {
+			t.Error("the corrupt block still answers Hit")
+		}
+		s.CompleteLoad(keys, r)
+		s.OnRequestFinished(r)
+	})
+	if c := m.Metrics().CPU; c.Used != 0 || c.Detached != 0 {
+		t.Errorf("%d slots used, %d detached after the reader let go, want none", c.Used, c.Detached)
+	}
+}

@@ -157,6 +157,7 @@ type job struct {
 	ticket  *cudakv.Ticket
 	copying bool
 	digest  chan struct{} // closed when its digest goroutine no longer reads its GPU blocks
+	sums    chan struct{} // a store's: closed once its blocks' checksums are recorded
 }
 
 type jobReply struct {

@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvtier/kvtier/cudakv"
 	"github.com/kvtier/kvtier/offload"
 )
 
@@ -176,5 +177,26 @@ func TestDigestKinds(t *testing.T) {
 	}
 	if _, err := e.Submit(ctx, Request{ID: "g", Tokens: tokens(1, 16), Digest: "md5"}); !errors.Is(err, ErrBadDigest) {
 		t.Errorf("digest md5: %v, want ErrBadDigest", err)
+	}
+}
+
+// S7.2: a store counts as done only once its blocks' checksums are
+// recorded, so a block never becomes ready without its checksum kept.
+func TestStoreDoneWaitsForChecksums(t *testing.T) {
+	e, _ := newEngine(t, 8, 8)
+	tk, err := e.mv.Store([]cudakv.Pair{{GPU: 0, CPU: 0}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := tk.Wait(); err != nil {
+		t.Fatal(err)
+	}
+	j := &job{ticket: tk, sums: make(chan struct{})}
+	if done, _ := j.copyDone(); done {
+		t.Fatal("a store counted as done before its checksums were recorded")
+	}
+	close(j.sums)
+	if done, err := j.copyDone(); !done || err != nil {
+		t.Fatalf("copyDone after the checksums: %v, %v", done, err)
 	}
 }

@@ -46,8 +46,8 @@ func (e *Engine) sleep() {
 	if e.pause != nil {
 		deadline = e.pause.deadline
 	}
-	if e.shutdown != nil && (deadline.IsZero() || e.shutdown.deadline.Before(deadline)) {
-		deadline = e.shutdown.deadline
+	if e.shutdown != nil && time.Now().Before(e.shutdown.deadline) && (deadline.IsZero() || e.shutdown.deadline.Before(deadline)) {
+		deadline = e.shutdown.deadline // once past, a copy or digest still running wakes the loop itself
 	}
 	if e.m.HasPendingWork() {
 		// The manager needs steps (S3.4): step at most every millisecond.
@@ -98,7 +98,7 @@ func (e *Engine) schedulable() bool {
 	}
 	for _, j := range e.active {
 		if j.copying {
-			if done, _ := j.ticket.Done(); done {
+			if done, _ := j.copyDone(); done {
 				return true
 			}
 		}
@@ -250,7 +250,7 @@ func (e *Engine) copying() bool {
 			return true
 		}
 		if j.copying {
-			if done, _ := j.ticket.Done(); !done {
+			if done, _ := j.copyDone(); !done {
 				return true
 			}
 		}
@@ -269,7 +269,7 @@ func (e *Engine) reap() {
 				continue
 			}
 			if j.copying {
-				if done, _ := j.ticket.Done(); !done {
+				if done, _ := j.copyDone(); !done {
 					kept = append(kept, j)
 					continue
 				}
@@ -331,7 +331,7 @@ func (e *Engine) step() {
 		if j.reply == nil || !j.copying {
 			continue
 		}
-		if done, err := j.ticket.Done(); done {
+		if done, err := j.copyDone(); done {
 			j.copying = false
 			e.copied(j, err)
 		}
@@ -382,13 +382,36 @@ func (e *Engine) start(j *job, copy func() (*cudakv.Ticket, error), stored []cud
 		e.fail(j, err)
 		return
 	}
-	j.ticket, j.copying = t, true
+	j.ticket, j.copying, j.sums = t, true, nil
+	var sums chan struct{}
+	if stored != nil {
+		sums = make(chan struct{})
+		j.sums = sums
+	}
 	e.wg.Go(func() {
 		if t.Wait() == nil && stored != nil {
 			e.recordSums(stored, t.Sums())
 		}
+		if sums != nil {
+			close(sums) // only now may the store complete (copyDone)
+		}
 		signal(e.wake)
 	})
+}
+
+// copyDone says whether the job's copy ended (and its error), and for a
+// store also whether its blocks' checksums are recorded: a block must not
+// become ready before its checksum is kept (S7.2).
+func (j *job) copyDone() (bool, error) {
+	done, err := j.ticket.Done()
+	if done && j.sums != nil {
+		select {
+		case <-j.sums:
+		default:
+			return false, nil
+		}
+	}
+	return done, err
 }
 
 // recordSums keeps each stored block's CRC32C with its CPU slot: the one

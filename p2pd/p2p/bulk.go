@@ -12,7 +12,10 @@ import (
 // stays locked: when the goroutine returns, the runtime ends it, and the
 // nice value goes with it, never reaching another goroutine. A nice of 0
 // or less changes nothing. Failures (a sandbox that forbids it) are
-// ignored: the I/O works as before, at the normal priority.
+// ignored: the I/O works as before, at the normal priority. A niced
+// thread still takes the plane's lock and the runtime's per block, so on a
+// saturated machine a preempted one can delay others waiting on those
+// (priority inversion); B2 showed no change either way (docs/benchmarks.md).
 func lowerPriority(nice int) {
 	if nice <= 0 {
 		return

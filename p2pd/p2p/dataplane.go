@@ -300,9 +300,13 @@ func (p *TCPPlane) dial(peer string, tp *tcpPeer) ([]*outConn, error) {
 	for _, o := range tp.out {
 		tp.q.mu.Lock()
 		stale := o.dead != nil || (p.cfg.IdleTimeout > 0 && !o.busy && len(tp.q.tasks) == 0 && now.Sub(o.used) > p.cfg.IdleTimeout/2)
+		if stale && o.dead == nil { // killed in the same hold as the check: no block can slip onto it
+			o.dead = ErrCanceled
+			o.c.Close()
+			tp.q.cond.Broadcast()
+		}
 		tp.q.mu.Unlock()
 		if stale {
-			o.kill(ErrCanceled)
 			continue
 		}
 		live = append(live, o)

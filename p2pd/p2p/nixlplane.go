@@ -72,8 +72,9 @@ type nixlWrite struct {
 }
 
 type nixlExpect struct {
-	slots []uint32 // sorted
-	done  func(error)
+	slots    []uint32 // sorted
+	done     func(error)
+	checking bool // its notification is being verified (under mu)
 }
 
 // nixlInfoLen is the fixed part of LocalInfo: arena base, stride, slot
@@ -511,8 +512,11 @@ func (p *NIXLPlane) notified(n nixlgo.Notif) {
 	var k roundKey
 	if known && len(m) >= len(notifMagic)+12 && string(m[:len(notifMagic)]) == notifMagic {
 		k = roundKey{peer, binary.LittleEndian.Uint64(m[len(notifMagic):])}
-		e = p.expect[k]
-		delete(p.expect, k)
+		if e = p.expect[k]; e != nil && e.checking {
+			e = nil // a second notification for the round
+		} else if e != nil {
+			e.checking = true // stays expected, so Unexpect can still take it
+		}
 	}
 	p.mu.Unlock()
 	if e == nil {
@@ -520,11 +524,27 @@ func (p *NIXLPlane) notified(n nixlgo.Notif) {
 		p.log.Debug("p2p: nixl notification nobody expects", "from", n.From, "bytes", len(m))
 		return
 	}
+	// finish ends the round unless Unexpect took it meanwhile; the slots'
+	// checksums are kept only then, so none lands on a slot already freed.
+	finish := func(err error, got, sums []uint32) {
+		p.mu.Lock()
+		mine := p.expect[k] == e
+		if mine {
+			delete(p.expect, k)
+			for i, slot := range got {
+				p.arena.SetSum(int(slot), sums[i]) // verified: kept with the slot (S7.2)
+			}
+		}
+		p.mu.Unlock()
+		if mine {
+			e.done(err)
+		}
+	}
 	m = m[len(notifMagic)+8:]
 	count := int(binary.LittleEndian.Uint32(m))
 	m = m[4:]
 	if count != len(e.slots) || len(m) != 8*count {
-		e.done(fmt.Errorf("p2p: nixl: round %d's notification names %d blocks, %d expected", k.round, count, len(e.slots)))
+		finish(fmt.Errorf("p2p: nixl: round %d's notification names %d blocks, %d expected", k.round, count, len(e.slots)), nil, nil)
 		return
 	}
 	got := make([]uint32, count)
@@ -532,18 +552,18 @@ func (p *NIXLPlane) notified(n nixlgo.Notif) {
 		got[i] = binary.LittleEndian.Uint32(m[8*i:])
 	}
 	if !slices.Equal(slices.Sorted(slices.Values(got)), e.slots) {
-		e.done(fmt.Errorf("p2p: nixl: round %d's notification names other slots than expected", k.round))
+		finish(fmt.Errorf("p2p: nixl: round %d's notification names other slots than expected", k.round), nil, nil)
 		return
 	}
+	sums := make([]uint32, count)
 	for i, slot := range got {
-		crc := crc32.Checksum(p.arena.Slot(int(slot)), castagnoli)
-		if crc != binary.LittleEndian.Uint32(m[8*i+4:]) {
+		sums[i] = crc32.Checksum(p.arena.Slot(int(slot)), castagnoli)
+		if sums[i] != binary.LittleEndian.Uint32(m[8*i+4:]) {
 			p.crcErrors.Add(1)
-			e.done(fmt.Errorf("%w: round %d, slot %d", ErrCRC, k.round, slot))
+			finish(fmt.Errorf("%w: round %d, slot %d", ErrCRC, k.round, slot), nil, nil)
 			return
 		}
-		p.arena.SetSum(int(slot), crc) // verified: kept with the slot (S7.2)
 	}
 	p.bytesIn.Add(uint64(count * p.arena.SlotBytes()))
-	e.done(nil)
+	finish(nil, got, sums)
 }
