@@ -423,7 +423,7 @@ func (t *Tier) handle(cc *ctrlConn, m wire.Msg) {
 		case cc != s.conn:
 			t.closeConn(cc)
 		default:
-			t.kill(s, "peer disconnected: "+m.Code.String())
+			t.kill(s, "peer disconnected: "+m.Code.String()+": "+m.Reason[:min(len(m.Reason), maxPeerText)])
 		}
 		return
 	case wire.Ping:
@@ -444,7 +444,7 @@ func (t *Tier) handle(cc *ctrlConn, m wire.Msg) {
 		t.protocolError(s, err.Error())
 	default:
 		s.errs++
-		t.log.Warn("p2p: handler error", "peer", s.peer, "err", err, "in_a_row", s.errs)
+		t.logReject("p2p: handler error", "peer", s.peer, "err", err, "in_a_row", s.errs)
 		if s.errs >= 5 {
 			t.protocolErrorCode(s, wire.CodeHandlerErrors, fmt.Sprintf("five handler errors in a row, last: %v", err))
 		}
