@@ -138,7 +138,7 @@ func (t *Tier) established(pending *session, c net.Conn, sh shaken) {
 	}
 	if int(t.nready.Load()) >= t.cfg.MaxSessions {
 		t.rejects.add(false, wire.CodeCapacity)
-		t.logReject("p2p: session cap reached; refusing a peer", "peer", pc.NodeID, "max_sessions", t.cfg.MaxSessions)
+		t.warnLimited("p2p: session cap reached; refusing a peer", "peer", pc.NodeID, "max_sessions", t.cfg.MaxSessions)
 		t.wg.Go(func() { // not under the manager lock: the peer may not read
 			c.SetWriteDeadline(time.Now().Add(time.Second))
 			wire.Write(c, nil, wire.Disconnect{Code: wire.CodeCapacity, Reason: "too many sessions"})
@@ -444,7 +444,7 @@ func (t *Tier) handle(cc *ctrlConn, m wire.Msg) {
 		t.protocolError(s, err.Error())
 	default:
 		s.errs++
-		t.logReject("p2p: handler error", "peer", s.peer, "err", err, "in_a_row", s.errs)
+		t.warnLimited("p2p: handler error", "peer", s.peer, "err", err, "in_a_row", s.errs)
 		if s.errs >= 5 {
 			t.protocolErrorCode(s, wire.CodeHandlerErrors, fmt.Sprintf("five handler errors in a row, last: %v", err))
 		}

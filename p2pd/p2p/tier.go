@@ -43,7 +43,7 @@ type Tier struct {
 	perIP      ipCounts      // handshakes in progress by source address
 	rejects    rejectCounts  // handshakes refused, by code and side
 	accept     acceptHealth  // the accept loop's errors
-	rejectLog  limiter       // rate limit for reject logs
+	logLimit  limiter       // rate limit for reject logs
 	capDrops   atomic.Uint64 // connections closed for the handshake cap
 
 	ev struct {
@@ -223,9 +223,9 @@ func (l *limiter) allow(now time.Time) (ok bool, suppressed int) {
 	return true, suppressed
 }
 
-// logReject logs a refused or failed handshake, at most five per 10 s.
-func (t *Tier) logReject(msg string, args ...any) {
-	if ok, n := t.rejectLog.allow(time.Now()); ok {
+// warnLimited logs a refused or failed handshake, at most five per 10 s.
+func (t *Tier) warnLimited(msg string, args ...any) {
+	if ok, n := t.logLimit.allow(time.Now()); ok {
 		if n > 0 {
 			args = append(args, "suppressed", n)
 		}
@@ -403,7 +403,7 @@ func (t *Tier) acceptFailed(err error, delay time.Duration) {
 	t.accept.mu.Lock()
 	t.accept.last, t.accept.lastAt = err.Error(), time.Now()
 	t.accept.mu.Unlock()
-	if ok, sup := t.rejectLog.allow(time.Now()); ok {
+	if ok, sup := t.logLimit.allow(time.Now()); ok {
 		t.log.Warn("p2p: accept failed; retrying", "err", err, "retry_in", delay, "errors_total", n, "suppressed", sup)
 	}
 }
@@ -470,7 +470,7 @@ func (t *Tier) handshakeFailed(c net.Conn, err error) {
 	} else {
 		t.rejects.add(false, wire.CodeOther)
 	}
-	t.logReject("p2p: handshake failed", "remote", c.RemoteAddr(), "err", err)
+	t.warnLimited("p2p: handshake failed", "remote", c.RemoteAddr(), "err", err)
 }
 
 // dial opens a session to addr (host:port; a DNS name resolves now). The
