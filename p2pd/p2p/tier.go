@@ -43,7 +43,7 @@ type Tier struct {
 	perIP      ipCounts      // handshakes in progress by source address
 	rejects    rejectCounts  // handshakes refused, by code and side
 	accept     acceptHealth  // the accept loop's errors
-	logLimit  limiter       // rate limit for reject logs
+	logLimit   limiter       // rate limit for reject logs
 	capDrops   atomic.Uint64 // connections closed for the handshake cap
 
 	ev struct {
@@ -223,7 +223,8 @@ func (l *limiter) allow(now time.Time) (ok bool, suppressed int) {
 	return true, suppressed
 }
 
-// warnLimited logs a refused or failed handshake, at most five per 10 s.
+// warnLimited logs a warning a peer can provoke (a failed handshake, an
+// accept error, a handler error): at most five per 10 s.
 func (t *Tier) warnLimited(msg string, args ...any) {
 	if ok, n := t.logLimit.allow(time.Now()); ok {
 		if n > 0 {
