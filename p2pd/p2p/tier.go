@@ -43,7 +43,7 @@ type Tier struct {
 	perIP      ipCounts      // handshakes in progress by source address
 	rejects    rejectCounts  // handshakes refused, by code and side
 	accept     acceptHealth  // the accept loop's errors
-	logLimit   limiter       // rate limit for reject logs
+	logLimit   limiter       // rate limit for warnings a peer can provoke
 	capDrops   atomic.Uint64 // connections closed for the handshake cap
 
 	ev struct {
