@@ -691,12 +691,9 @@ func TestChecksumKeptWithSlot(t *testing.T) {
 	cons := newNode(t, nil, nil, 32)
 	keys := testKeys(5, 3)
 	prod.store(t, keys)
-	req := &offload.Request{ID: "r1", TransferParams: source("kv-1", prod.tier.Addr())}
-	cons.m.Do(func(s *offload.Step) { s.OnNewRequest(req) })
-	if got := cons.prefix(t, req, keys, realWait(cons.m)); fmt.Sprint(got) != fmt.Sprint([]offload.Result{offload.Hit, offload.Hit, offload.Hit}) {
+	if got := cons.fetchFrom(t, "kv-1", prod.tier.Addr(), keys); fmt.Sprint(got) != fmt.Sprint([]offload.Result{offload.Hit, offload.Hit, offload.Hit}) {
 		t.Fatalf("answers %v, want three hits", got)
 	}
-	cons.m.Do(func(s *offload.Step) { s.OnRequestFinished(req) })
 	for i, slot := range slotsOf(t, cons, keys) {
 		crc, ok := cons.m.Arena().Sum(int(slot))
 		if !ok || crc != crc32.Checksum(cons.m.Arena().Slot(int(slot)), castagnoli) {
@@ -708,14 +705,11 @@ func TestChecksumKeptWithSlot(t *testing.T) {
 	sum, _ := prod.m.Arena().Sum(int(bad))
 	prod.m.Arena().SetSum(int(bad), sum^1) // the kept checksum no longer matches the bytes
 	cons2 := newNode(t, nil, nil, 32)
-	req2 := &offload.Request{ID: "r2", TransferParams: source("kv-2", prod.tier.Addr())}
-	cons2.m.Do(func(s *offload.Step) { s.OnNewRequest(req2) })
 	// prefix asks one key a step: the first arrives; the corrupt second
 	// fails its round and the request answers Miss from there (recompute).
-	if got := cons2.prefix(t, req2, keys, realWait(cons2.m)); fmt.Sprint(got) != fmt.Sprint([]offload.Result{offload.Hit, offload.Miss}) {
+	if got := cons2.fetchFrom(t, "kv-2", prod.tier.Addr(), keys); fmt.Sprint(got) != fmt.Sprint([]offload.Result{offload.Hit, offload.Miss}) {
 		t.Errorf("answers %v with a corrupt second block, want hit then miss", got)
 	}
-	cons2.m.Do(func(s *offload.Step) { s.OnRequestFinished(req2) })
 	if v := stat(cons2, "kv_offload_p2p_crc_errors_total"); v != 1 {
 		t.Errorf("crc errors %v, want 1", v)
 	}

@@ -147,6 +147,17 @@ func (n *node) prefix(t testing.TB, req *offload.Request, keys []offload.Key, wa
 	}
 }
 
+// fetchFrom runs one consumer request for keys from the peer at addr, the
+// way an engine does (prefix), finishes it and returns its answers.
+func (n *node) fetchFrom(t testing.TB, kvID, addr string, keys []offload.Key) []offload.Result {
+	t.Helper()
+	req := &offload.Request{ID: "req-" + kvID, TransferParams: source(kvID, addr)}
+	n.m.Do(func(s *offload.Step) { s.OnNewRequest(req) })
+	got := n.prefix(t, req, keys, realWait(n.m))
+	n.m.Do(func(s *offload.Step) { s.OnRequestFinished(req) })
+	return got
+}
+
 // realWait waits on the progress signal with a real deadline.
 func realWait(m *offload.Manager) func() bool {
 	return func() bool {

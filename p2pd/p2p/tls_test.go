@@ -512,12 +512,9 @@ func TestTLSChannelBinding(t *testing.T) {
 	cons := newNode(t, nil, ca.tlsEdit("cons", token), 32)
 	keys := testKeys(3, 4)
 	prod.store(t, keys)
-	req := &offload.Request{ID: "r1", TransferParams: source("kv-1", prod.tier.Addr())}
-	cons.m.Do(func(s *offload.Step) { s.OnNewRequest(req) })
-	if got := cons.prefix(t, req, keys, realWait(cons.m)); fmt.Sprint(got) != fmt.Sprint([]offload.Result{offload.Hit, offload.Hit, offload.Hit, offload.Hit}) {
+	if got := cons.fetchFrom(t, "kv-1", prod.tier.Addr(), keys); fmt.Sprint(got) != fmt.Sprint([]offload.Result{offload.Hit, offload.Hit, offload.Hit, offload.Hit}) {
 		t.Fatalf("answers %v over TLS with a token, want four hits", got)
 	}
-	cons.m.Do(func(s *offload.Step) { s.OnRequestFinished(req) })
 
 	n := ca.network("node-a", 10*time.Second)
 	ln, err := n.Listen("127.0.0.1:0")

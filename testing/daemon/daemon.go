@@ -145,8 +145,11 @@ func (p *Proc) CtxSwitches() (int64, error) {
 }
 
 // RSS is the process's resident memory.
-func (p *Proc) RSS() int64 {
-	b, _ := os.ReadFile(fmt.Sprintf("/proc/%d/status", p.Cmd.Process.Pid))
+func (p *Proc) RSS() int64 { return RSS(p.Cmd.Process.Pid) }
+
+// RSS is process pid's resident memory in bytes (0 when unknown).
+func RSS(pid int) int64 {
+	b, _ := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
 	for _, line := range strings.Split(string(b), "\n") {
 		if f := strings.Fields(line); len(f) >= 2 && f[0] == "VmRSS:" {
 			v, _ := strconv.ParseInt(f[1], 10, 64)

@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/kvtier/kvtier/p2pd/wire"
+	"github.com/kvtier/kvtier/testing/daemon"
 	"github.com/kvtier/kvtier/testing/hostile"
 )
 
@@ -62,18 +63,6 @@ func (n *node) metric(name string, want ...string) float64 {
 		}
 	}
 	return v
-}
-
-// rss is the process's resident set in bytes.
-func (n *node) rss() int64 {
-	b, _ := os.ReadFile(fmt.Sprintf("/proc/%d/status", n.cmd.Process.Pid))
-	for _, line := range strings.Split(string(b), "\n") {
-		if f := strings.Fields(line); len(f) >= 2 && f[0] == "VmRSS:" {
-			v, _ := strconv.ParseInt(f[1], 10, 64)
-			return v << 10
-		}
-	}
-	return 0
 }
 
 // fetch runs a prompt on prod, then the same on cons from prod, and checks
@@ -201,7 +190,7 @@ func TestHostileRelay(t *testing.T) {
 // nothing cost no memory: 400 of them leave RSS within a few MB.
 func TestHostilePreAuthMemory(t *testing.T) {
 	n := start(t, tokenArgs(t, "cluster-secret")...)
-	before := n.rss()
+	before := daemon.RSS(n.cmd.Process.Pid)
 	var conns []net.Conn
 	for i := range 400 {
 		c, err := net.DialTimeout("tcp", n.p2p, 2*time.Second)
@@ -218,7 +207,7 @@ func TestHostilePreAuthMemory(t *testing.T) {
 	deadline := time.Now().Add(3 * time.Second)
 	var peak int64
 	for time.Now().Before(deadline) {
-		peak = max(peak, n.rss())
+		peak = max(peak, daemon.RSS(n.cmd.Process.Pid))
 		time.Sleep(50 * time.Millisecond) // sampling, not waiting for an event
 	}
 	for _, c := range conns {
