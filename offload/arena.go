@@ -2,12 +2,13 @@ package offload
 
 import (
 	"fmt"
-	"hash/crc32"
 	"os"
 	"sync/atomic"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/kvtier/kvtier/offload/crc32c"
 )
 
 // ArenaOptions say how the CPU arena's memory is prepared.
@@ -107,9 +108,6 @@ func (a *Arena) Slot(i int) []byte {
 	return a.mem[off : off+a.slotBytes : off+a.slotBytes]
 }
 
-// Castagnoli is the CRC32C table every block checksum uses (S7.2).
-var Castagnoli = crc32.MakeTable(crc32.Castagnoli)
-
 // SetSum records the CRC32C of slot i's block, computed by the copy that
 // filled it (S7.2): the GPU store, the disk read, the P2P receive.
 func (a *Arena) SetSum(i int, crc uint32) { a.sums[i].Store(1<<32 | uint64(crc)) }
@@ -130,7 +128,7 @@ func (a *Arena) SumOf(i int) uint32 {
 	if crc, ok := a.Sum(i); ok {
 		return crc
 	}
-	crc := crc32.Checksum(a.Slot(i), Castagnoli)
+	crc := crc32c.Checksum(a.Slot(i))
 	a.SetSum(i, crc)
 	return crc
 }

@@ -7,7 +7,6 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
-	"hash/crc32"
 	"io"
 	"io/fs"
 	"log/slog"
@@ -20,6 +19,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/kvtier/kvtier/offload/crc32c"
 )
 
 // DiskConfig configures the disk tier; it is part of Config, so its keys
@@ -75,7 +76,6 @@ const (
 
 var (
 	diskMagic  = [4]byte{'K', 'V', 'T', 'B'}
-	castagnoli = crc32.MakeTable(crc32.Castagnoli)
 	errCorrupt = errors.New("offload: corrupt block file")
 )
 
@@ -450,7 +450,7 @@ func (d *Disk) read(k Key, slot []byte) (uint32, error) {
 	if _, err := io.ReadFull(f, slot); err != nil {
 		return 0, fmt.Errorf("%w: body: %w", errCorrupt, err)
 	}
-	got, want := crc32.Checksum(slot, castagnoli), binary.LittleEndian.Uint32(hdr[48:52])
+	got, want := crc32c.Checksum(slot), binary.LittleEndian.Uint32(hdr[48:52])
 	if got != want {
 		return 0, fmt.Errorf("%w: crc32c %08x, want %08x", errCorrupt, got, want)
 	}

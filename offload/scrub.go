@@ -2,9 +2,10 @@ package offload
 
 import (
 	"context"
-	"hash/crc32"
 	"maps"
 	"slices"
+
+	"github.com/kvtier/kvtier/offload/crc32c"
 )
 
 // ScrubResult is what one Scrub found.
@@ -57,7 +58,7 @@ func (m *Manager) Scrub(ctx context.Context) (ScrubResult, error) {
 		m.unlock()
 		var bad []int
 		for i := range pinned {
-			got := crc32.Checksum(arena.Slot(int(slots[i])), Castagnoli)
+			got := crc32c.Checksum(arena.Slot(int(slots[i])))
 			switch want, ok := arena.Sum(int(slots[i])); {
 			case !ok:
 				arena.SetSum(int(slots[i]), got)

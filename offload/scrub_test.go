@@ -4,6 +4,8 @@ import (
 	"context"
 	"hash/crc32"
 	"testing"
+
+	"github.com/kvtier/kvtier/offload/crc32c"
 )
 
 // S7.2: a scrub verifies every ready block against the checksum kept with
@@ -25,7 +27,7 @@ func TestScrub(t *testing.T) {
 		for i, k := range p.Keys {
 			fill(m.Arena().Slot(int(p.Slots[i])), k)
 			if i < 2 { // the writer records two checksums, not the third
-				m.Arena().SetSum(int(p.Slots[i]), crc32.Checksum(m.Arena().Slot(int(p.Slots[i])), Castagnoli))
+				m.Arena().SetSum(int(p.Slots[i]), crc32.Checksum(m.Arena().Slot(int(p.Slots[i])), crc32c.Table))
 			}
 		}
 		slots = p.Slots
@@ -51,7 +53,7 @@ func TestScrub(t *testing.T) {
 		}
 		s.OnRequestFinished(r)
 	})
-	if crc, ok := m.Arena().Sum(int(slots[2])); !ok || crc != crc32.Checksum(m.Arena().Slot(int(slots[2])), Castagnoli) {
+	if crc, ok := m.Arena().Sum(int(slots[2])); !ok || crc != crc32.Checksum(m.Arena().Slot(int(slots[2])), crc32c.Table) {
 		t.Error("the unrecorded block's checksum was not kept")
 	}
 	if n := m.Metrics().CPU.ScrubMismatches; n != 1 {
@@ -77,7 +79,7 @@ func TestDiskWritesRecordedSum(t *testing.T) {
 		for i, k := range p.Keys {
 			slot := m.Arena().Slot(int(p.Slots[i]))
 			fill(slot, k)
-			crc := crc32.Checksum(slot, Castagnoli)
+			crc := crc32.Checksum(slot, crc32c.Table)
 			if i == 1 {
 				crc ^= 1 // disagrees with the bytes
 			}
@@ -103,7 +105,7 @@ func TestDiskWritesRecordedSum(t *testing.T) {
 		s.OnNewRequest(req2)
 		if s.Lookup(keys[0], req2) == Hit {
 			slots, _ := s.PrepareLoad(keys[:1], req2)
-			if crc, ok := m.Arena().Sum(int(slots[0])); !ok || crc != crc32.Checksum(m.Arena().Slot(int(slots[0])), Castagnoli) {
+			if crc, ok := m.Arena().Sum(int(slots[0])); !ok || crc != crc32.Checksum(m.Arena().Slot(int(slots[0])), crc32c.Table) {
 				t.Error("a block read from disk has no verified checksum kept")
 			}
 			s.CompleteLoad(keys[:1], req2)
@@ -123,7 +125,7 @@ func TestScrubPinned(t *testing.T) {
 		s.OnNewRequest(w)
 		p, _ := s.PrepareStore(keys, w)
 		fill(m.Arena().Slot(int(p.Slots[0])), keys[0])
-		m.Arena().SetSum(int(p.Slots[0]), crc32.Checksum(m.Arena().Slot(int(p.Slots[0])), Castagnoli))
+		m.Arena().SetSum(int(p.Slots[0]), crc32.Checksum(m.Arena().Slot(int(p.Slots[0])), crc32c.Table))
 		s.CompleteStore(p.Keys, w, true)
 		s.OnRequestFinished(w)
 		s.OnNewRequest(r)

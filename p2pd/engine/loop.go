@@ -6,12 +6,12 @@ import (
 	"encoding/binary"
 	"encoding/hex"
 	"fmt"
-	"hash/crc32"
 	"slices"
 	"time"
 
 	"github.com/kvtier/kvtier/cudakv"
 	"github.com/kvtier/kvtier/offload"
+	"github.com/kvtier/kvtier/offload/crc32c"
 )
 
 // Run is the scheduler loop; it returns after Shutdown.
@@ -548,7 +548,7 @@ func (e *Engine) digestOf(kind string, gpu []int32) (string, error) {
 			return "", err
 		}
 		if kind == DigestCRC32C {
-			binary.BigEndian.PutUint32(crc[:], crc32.Checksum(*buf, offload.Castagnoli))
+			binary.BigEndian.PutUint32(crc[:], crc32c.Checksum(*buf))
 			h.Write(crc[:])
 			continue
 		}

@@ -5,7 +5,6 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
-	"hash/crc32"
 	"io"
 	"log/slog"
 	"net"
@@ -15,6 +14,7 @@ import (
 	"time"
 
 	"github.com/kvtier/kvtier/offload"
+	"github.com/kvtier/kvtier/offload/crc32c"
 	"github.com/kvtier/kvtier/p2pd/wire"
 )
 
@@ -58,8 +58,6 @@ var (
 	ErrCRC      = errors.New("p2p: block checksum mismatch")
 	ErrNoPeer   = errors.New("p2p: unknown peer")
 )
-
-var castagnoli = crc32.MakeTable(crc32.Castagnoli)
 
 // dataStats are a data plane's counters, exported as metrics.
 type dataStats struct {
@@ -660,7 +658,7 @@ func readChecked(r io.Reader, slot []byte) (uint32, error) {
 	for off := 0; off < len(slot); {
 		end := min(off+chunk, len(slot))
 		n, err := io.ReadFull(r, slot[off:end])
-		crc = crc32.Update(crc, castagnoli, slot[off:off+n])
+		crc = crc32c.Update(crc, slot[off:off+n])
 		if err != nil {
 			return crc, err
 		}

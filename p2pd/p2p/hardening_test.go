@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"github.com/kvtier/kvtier/offload"
+	"github.com/kvtier/kvtier/offload/crc32c"
 	"github.com/kvtier/kvtier/p2pd/wire"
 )
 
@@ -696,7 +697,7 @@ func TestChecksumKeptWithSlot(t *testing.T) {
 	}
 	for i, slot := range slotsOf(t, cons, keys) {
 		crc, ok := cons.m.Arena().Sum(int(slot))
-		if !ok || crc != crc32.Checksum(cons.m.Arena().Slot(int(slot)), castagnoli) {
+		if !ok || crc != crc32.Checksum(cons.m.Arena().Slot(int(slot)), crc32c.Table) {
 			t.Errorf("fetched block %d: kept checksum %08x (%v), want its bytes'", i, crc, ok)
 		}
 	}

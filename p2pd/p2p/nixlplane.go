@@ -5,7 +5,6 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
-	"hash/crc32"
 	"log/slog"
 	"net"
 	"os"
@@ -15,6 +14,7 @@ import (
 
 	"github.com/kvtier/kvtier/nixlgo"
 	"github.com/kvtier/kvtier/offload"
+	"github.com/kvtier/kvtier/offload/crc32c"
 	"github.com/kvtier/kvtier/p2pd/wire"
 )
 
@@ -557,7 +557,7 @@ func (p *NIXLPlane) notified(n nixlgo.Notif) {
 	}
 	sums := make([]uint32, count)
 	for i, slot := range got {
-		sums[i] = crc32.Checksum(p.arena.Slot(int(slot)), castagnoli)
+		sums[i] = crc32c.Checksum(p.arena.Slot(int(slot)))
 		if sums[i] != binary.LittleEndian.Uint32(m[8*i+4:]) {
 			p.crcErrors.Add(1)
 			finish(fmt.Errorf("%w: round %d, slot %d", ErrCRC, k.round, slot), nil, nil)

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/kvtier/kvtier/offload"
+	"github.com/kvtier/kvtier/offload/crc32c"
 	"github.com/kvtier/kvtier/p2pd/wire"
 )
 
@@ -105,7 +106,7 @@ func readBlocks(t *testing.T, f *fakePeer, l net.Listener, n, size int) map[uint
 						return
 					}
 					b, trailer := b[:h.Len], b[h.Len:]
-					if crc32.Checksum(b, castagnoli) != binary.BigEndian.Uint32(trailer) {
+					if crc32.Checksum(b, crc32c.Table) != binary.BigEndian.Uint32(trailer) {
 						t.Errorf("block for slot %d: bad CRC", h.Slot)
 					}
 					ch <- blk{h.Slot, b}

@@ -1,0 +1,87 @@
+#include "textflag.h"
+
+// Per 128-bit lane: the constant for the lane's low quadword, then for its
+// high quadword (see fold in fold_amd64.go).
+DATA k2048<>+0(SB)/8, $0xe9a5d8be00000000
+DATA k2048<>+8(SB)/8, $0x1426a81500000000
+GLOBL k2048<>(SB), RODATA|NOPTR, $16
+
+DATA k512<>+0(SB)/8, $0x1c19243b00000000
+DATA k512<>+8(SB)/8, $0x75bba45b00000000
+GLOBL k512<>(SB), RODATA|NOPTR, $16
+
+// The last four lanes move 384, 256 and 128 bits onto the fourth.
+DATA kLast<>+0(SB)/8, $0xa46ef4aa00000000
+DATA kLast<>+8(SB)/8, $0x6051243f00000000
+DATA kLast<>+16(SB)/8, $0x33ccbbbc00000000
+DATA kLast<>+24(SB)/8, $0xa2158b3400000000
+DATA kLast<>+32(SB)/8, $0x3743f7bd00000000
+DATA kLast<>+40(SB)/8, $0x3171d43000000000
+DATA kLast<>+48(SB)/8, $0
+DATA kLast<>+56(SB)/8, $0
+GLOBL kLast<>(SB), RODATA|NOPTR, $64
+
+// func fold(r uint32, p []byte) (lo, hi uint64)
+TEXT ·fold(SB), NOSPLIT, $0-48
+	MOVL r+0(FP), AX
+	MOVQ p_base+8(FP), SI
+	MOVQ p_len+16(FP), CX
+
+	VMOVDQU64 0(SI), Z0
+	VMOVDQU64 64(SI), Z1
+	VMOVDQU64 128(SI), Z2
+	VMOVDQU64 192(SI), Z3
+	VMOVD AX, X4
+	VPXORQ Z4, Z0, Z0
+	ADDQ $256, SI
+	SUBQ $256, CX
+	VBROADCASTI32X4 k2048<>(SB), Z8
+
+loop:
+	CMPQ CX, $256
+	JB   reduce
+	VPCLMULQDQ $0x00, Z8, Z0, Z4
+	VPCLMULQDQ $0x11, Z8, Z0, Z0
+	VPTERNLOGQ $0x96, 0(SI), Z4, Z0
+	VPCLMULQDQ $0x00, Z8, Z1, Z5
+	VPCLMULQDQ $0x11, Z8, Z1, Z1
+	VPTERNLOGQ $0x96, 64(SI), Z5, Z1
+	VPCLMULQDQ $0x00, Z8, Z2, Z6
+	VPCLMULQDQ $0x11, Z8, Z2, Z2
+	VPTERNLOGQ $0x96, 128(SI), Z6, Z2
+	VPCLMULQDQ $0x00, Z8, Z3, Z7
+	VPCLMULQDQ $0x11, Z8, Z3, Z3
+	VPTERNLOGQ $0x96, 192(SI), Z7, Z3
+	ADDQ $256, SI
+	SUBQ $256, CX
+	JMP  loop
+
+reduce:
+	// Four registers into the last, 512 bits at a time.
+	VBROADCASTI32X4 k512<>(SB), Z8
+	VPCLMULQDQ $0x00, Z8, Z0, Z4
+	VPCLMULQDQ $0x11, Z8, Z0, Z5
+	VPTERNLOGQ $0x96, Z4, Z5, Z1
+	VPCLMULQDQ $0x00, Z8, Z1, Z4
+	VPCLMULQDQ $0x11, Z8, Z1, Z5
+	VPTERNLOGQ $0x96, Z4, Z5, Z2
+	VPCLMULQDQ $0x00, Z8, Z2, Z4
+	VPCLMULQDQ $0x11, Z8, Z2, Z5
+	VPTERNLOGQ $0x96, Z4, Z5, Z3
+
+	// Its four lanes into the last (whose constant is zero: it stays).
+	VMOVDQU64 kLast<>(SB), Z8
+	VPCLMULQDQ $0x00, Z8, Z3, Z4
+	VPCLMULQDQ $0x11, Z8, Z3, Z5
+	VPXORQ Z4, Z5, Z4
+	VEXTRACTI64X4 $1, Z4, Y5
+	VPXOR Y5, Y4, Y4
+	VEXTRACTI128 $1, Y4, X5
+	VPXOR X5, X4, X4
+	VEXTRACTI32X4 $3, Z3, X5
+	VPXOR X5, X4, X4
+
+	VMOVQ X4, lo+32(FP)
+	VPEXTRQ $1, X4, hi+40(FP)
+	VZEROUPPER
+	RET
