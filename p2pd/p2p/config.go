@@ -59,10 +59,12 @@ type Config struct {
 	MaxSessions   int `json:"max_sessions"`
 	MaxHandshakes int `json:"max_handshakes"`
 	MaxDataConns  int `json:"max_data_conns"`
-	// DataNice is the nice value (0–19) of the OS threads that move block
-	// bytes on TCP data connections, so bulk transfers yield the CPU to
-	// control frames, the engine and the admin API; 0 leaves them as the
-	// process.
+	// DataNice, when above 0, runs each TCP data connection's reader and
+	// writer on an OS thread of its own at this nice value, so bulk
+	// transfers yield the CPU to control frames, the engine and the admin
+	// API. Off by default: a locked thread costs a thread switch each time
+	// its goroutine waits for the socket, 10–12 % of B1 on two cores, and
+	// B2 was met without it (docs/benchmarks.md, issue 12).
 	DataNice int `json:"data_nice"`
 	// DataIdleTimeout closes an inbound data connection that carried no
 	// block for this long (the producer dials again when it needs one).
@@ -89,7 +91,7 @@ func DefaultConfig() Config {
 		MaxSessions:       256,
 		MaxHandshakes:     64,
 		MaxDataConns:      16,
-		DataNice:          10,
+		DataNice:          0,
 		DataIdleTimeout:   offload.Duration(5 * time.Minute),
 		DataPlane:         "tcp",
 	}
