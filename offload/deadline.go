@@ -1,6 +1,9 @@
 package offload
 
-import "time"
+import (
+	"sync"
+	"time"
+)
 
 // Bounded HitPending and Retry (S4). The first unsettled answer (HitPending
 // or Retry) of a (request, key) starts a deadline of hit_pending_timeout;
@@ -27,18 +30,26 @@ type deadline struct {
 // trackPendingLocked records or checks the deadline of (st, k) for the
 // answer r and returns the answer to give. The deadline starts at the first
 // HitPending or Retry and is never refreshed, also not when the answer
-// alternates between the two (S4.2, S4.7).
-func (m *Manager) trackPendingLocked(st *reqState, k Key, r Result) Result {
+// alternates between the two (S4.2, S4.7). *clock is the time to use,
+// read from the clock here when still zero.
+func (m *Manager) trackPendingLocked(st *reqState, k Key, r Result, clock *time.Time) Result {
 	switch r {
 	case HitPending, Retry:
-		now := time.Now()
+		if clock.IsZero() {
+			*clock = time.Now()
+		}
+		now := *clock
 		d, ok := st.deadlines[k]
 		if !ok {
 			if st.deadlines == nil {
-				st.deadlines = make(map[Key]deadline)
+				st.deadlines, _ = spareDeadlines.Get().(map[Key]deadline)
+				if st.deadlines == nil {
+					st.deadlines = make(map[Key]deadline)
+				}
 			}
 			at := now.Add(m.hitTimeout)
 			st.deadlines[k] = deadline{at: at, retry: r == Retry}
+			st.deadlinesPeak = max(st.deadlinesPeak, len(st.deadlines))
 			m.armDeadlineLocked(at)
 			return r
 		}
@@ -113,4 +124,22 @@ func (m *Manager) onDeadline() {
 	if expired {
 		m.signalProgress()
 	}
+}
+
+// spareDeadlines holds the emptied deadline maps of finished requests, so
+// a new request's lookups reuse one instead of growing their own (issue
+// 12: lookups allocate nothing per key). The garbage collector empties
+// it; maps that once held more than maxSpareDeadlines keys are dropped.
+var spareDeadlines sync.Pool
+
+const maxSpareDeadlines = 4096
+
+// dropDeadlinesLocked forgets st's deadlines (S4.3), keeping the map for
+// the next request.
+func dropDeadlinesLocked(st *reqState) {
+	if st.deadlines != nil && st.deadlinesPeak <= maxSpareDeadlines {
+		clear(st.deadlines)
+		spareDeadlines.Put(st.deadlines)
+	}
+	st.deadlines, st.deadlinesPeak = nil, 0
 }

@@ -61,8 +61,9 @@ type reqState struct {
 	// deadlines holds, per key that answered HitPending or Retry and has
 	// not settled, when it turns into a stable Miss (S4.1, S4.7); expired
 	// holds the keys that did.
-	deadlines map[Key]deadline
-	expired   map[Key]struct{}
+	deadlines     map[Key]deadline
+	deadlinesPeak int // the most keys deadlines held
+	expired       map[Key]struct{}
 }
 
 // StorePlan is the answer to PrepareStore: the keys that need storing, the
@@ -188,6 +189,7 @@ func (m *Manager) signalProgress() { signal(m.progress) }
 type Step struct {
 	m     *Manager
 	ended bool
+	now   time.Time // read once per step, when a deadline first needs it
 }
 
 // Begin starts an engine step: it takes the manager lock and applies the
@@ -250,7 +252,7 @@ func (s *Step) Lookup(k Key, req *Request) Result {
 	if s.check("lookup") != nil {
 		return Miss
 	}
-	return s.m.lookupLocked(k, req, -1)
+	return s.m.lookupLocked(k, req, -1, &s.now)
 }
 
 // LookupPrefix scans keys in order the way an engine does: past Retry and
@@ -276,7 +278,9 @@ func (s *Step) LookupPrefix(keys []Key, req *Request) (hits int, settled bool) {
 	return hits, settled
 }
 
-func (m *Manager) lookupLocked(k Key, req *Request, exclude int) Result {
+// now is the caller's clock reading, taken when first needed (zero until
+// then), so a step's lookups read the clock once between them.
+func (m *Manager) lookupLocked(k Key, req *Request, exclude int, now *time.Time) Result {
 	st := req.st
 	if st == nil {
 		// S4.8: no state for a request nothing would ever finish.
@@ -292,7 +296,7 @@ func (m *Manager) lookupLocked(k Key, req *Request, exclude int) Result {
 	if m.mu.resetting {
 		return Miss // S5.1: nothing new starts while the cache resets
 	}
-	return m.trackPendingLocked(st, k, m.lookupTiersLocked(k, req, exclude))
+	return m.trackPendingLocked(st, k, m.lookupTiersLocked(k, req, exclude), now)
 }
 
 func (m *Manager) lookupTiersLocked(k Key, req *Request, exclude int) Result {
@@ -701,7 +705,8 @@ func (m *Manager) onRequestFinishedLocked(req *Request, exclude int) error {
 		return err
 	}
 	st.finished = true
-	st.deadlines, st.expired = nil, nil // S4.3
+	dropDeadlinesLocked(st) // S4.3
+	st.expired = nil
 	m.maybeFinalizeLocked(st, exclude)
 	return nil
 }
@@ -716,6 +721,7 @@ func (m *Manager) maybeFinalizeLocked(st *reqState, exclude int) {
 func (m *Manager) finalizeLocked(st *reqState, exclude int) {
 	delete(m.mu.reqs, st.req.ID)
 	st.req.st = nil
+	dropDeadlinesLocked(st)
 	for i, t := range m.mu.tiers {
 		if h, ok := t.(RequestHooks); ok && i != exclude {
 			m.tierCall(i, "request finished", func() { h.OnRequestFinished(st.req) })
@@ -1013,7 +1019,8 @@ func (p *parent) Lookup(k Key, req *Request) Result {
 	if p.m.mu.resetting {
 		return Miss // S5.1: peer lookups answer Miss while the cache resets
 	}
-	return p.m.lookupLocked(k, req, p.tier)
+	var now time.Time
+	return p.m.lookupLocked(k, req, p.tier, &now)
 }
 
 // Lease implements Parent: pins for an outside request, never refused by

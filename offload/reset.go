@@ -90,7 +90,8 @@ wait:
 	m.mu.cpu.Reset()
 	m.mu.parked = nil
 	for _, st := range m.mu.reqs {
-		st.parked, st.deadlines, st.expired, st.sources = nil, nil, nil, nil
+		dropDeadlinesLocked(st)
+		st.parked, st.expired, st.sources = nil, nil, nil
 		m.maybeFinalizeLocked(st, -1)
 	}
 	m.mu.epoch++

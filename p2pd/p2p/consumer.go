@@ -3,17 +3,20 @@ package p2p
 import (
 	"errors"
 	"fmt"
-	"slices"
+	"sync"
 	"time"
 
 	"github.com/kvtier/kvtier/offload"
 	"github.com/kvtier/kvtier/p2pd/wire"
 )
 
+// A key's state in a lookup: a producer's parked lookup and a consumer
+// request's probes.
 const (
-	probePending int8 = iota
+	probePending int8 = iota // asked, not answered yet
 	probeHit
 	probeMiss
+	probeUnsent // a consumer's: looked up, not asked yet (in creq.unsent)
 )
 
 // creq is a local request that fetches from a peer (a consumer).
@@ -23,6 +26,7 @@ type creq struct {
 	kvID       string
 	probes     map[offload.Key]int8
 	unsent     []offload.Key
+	asked      int       // probes sent to the peer and not answered
 	round      uint64    // the round its lookups go in; 0: none open
 	lookupOpen bool      // a lookup was sent and no fetch closed it (S6.7)
 	askedAt    time.Time // the oldest lookup still unanswered was sent (S6.10)
@@ -31,13 +35,14 @@ type creq struct {
 }
 
 // waiting says whether a lookup sent to the peer has keys not answered.
-func (cr *creq) waiting() bool {
-	for k, v := range cr.probes {
-		if v == probePending && !slices.Contains(cr.unsent, k) {
-			return true
-		}
+func (cr *creq) waiting() bool { return cr.asked > 0 }
+
+// answer records the peer's answer for an asked key.
+func (cr *creq) answer(k offload.Key, r int8) {
+	if cr.probes[k] == probePending {
+		cr.probes[k] = r
+		cr.asked--
 	}
-	return false
 }
 
 // load is a promotion in flight from a peer: it succeeds when the peer's
@@ -82,7 +87,11 @@ func (t *Tier) OnNewRequest(req *offload.Request) offload.Level {
 		t.log.Warn("p2p: two local requests share a kv_request_id; the second will not fetch", "kv_request_id", kvID)
 		return offload.ChunkLevel
 	}
-	cr := &creq{req: req, s: s, kvID: kvID, probes: map[offload.Key]int8{}}
+	sp, _ := spareProbes.Get().(*spare)
+	if sp == nil {
+		sp = &spare{probes: map[offload.Key]int8{}}
+	}
+	cr := &creq{req: req, s: s, kvID: kvID, probes: sp.probes, unsent: sp.unsent}
 	s.creqs[kvID] = cr
 	req.SetTierState(t.env.Index, cr)
 	return offload.ChunkLevel
@@ -112,8 +121,26 @@ func (t *Tier) OnRequestFinished(req *offload.Request) {
 	}
 	if s.creqs[cr.kvID] == cr {
 		delete(s.creqs, cr.kvID)
+		if len(cr.probes) <= maxSpareProbes {
+			clear(cr.probes)
+			spareProbes.Put(&spare{cr.probes, cr.unsent[:0]})
+		}
+		cr.probes, cr.unsent = nil, nil // nothing reads a finished request's probes
 	}
 }
+
+// spareProbes holds the emptied probe maps and unsent lists of finished
+// requests, so a new request's lookups reuse them instead of growing their
+// own (issue 12: lookups allocate nothing per key). The garbage collector
+// empties it; maps of more than maxSpareProbes keys are dropped.
+var spareProbes sync.Pool
+
+type spare struct {
+	probes map[offload.Key]int8
+	unsent []offload.Key
+}
+
+const maxSpareProbes = 4096
 
 // SubmitLoad implements offload.Tier: the keys (all answered Hit by the
 // peer) are fetched into the job's slots in the lookups' round.
@@ -145,8 +172,9 @@ func (t *Tier) SubmitLoad(job *offload.Job) {
 	t.dp.Expect(s.peer, l.round, slots, func(err error) { t.post(func() { t.expectDone(s, l, err) }) })
 	t.send(s, wire.Fetch{ReqID: cr.kvID, Round: l.round, Keys: toWire(job.Keys), Slots: slots})
 	cr.lookupOpen = false
-	cr.probes = map[offload.Key]int8{}
-	cr.unsent = nil
+	clear(cr.probes) // a new round asks again
+	cr.asked = 0
+	cr.unsent = cr.unsent[:0]
 	cr.round = 0
 	cr.askedAt = time.Time{}
 	t.armBy(l.sent.Add(time.Duration(t.cfg.LoadTimeout))) // the load's timeout
@@ -175,11 +203,10 @@ func (t *Tier) onLookupResp(s *session, m wire.LookupResp) error {
 		return nil // late: the request finished or fetched already
 	}
 	for i, k := range m.Keys {
-		if v, ok := cr.probes[k]; ok && v == probePending {
-			cr.probes[k] = probeMiss
-			if m.Hits[i] {
-				cr.probes[k] = probeHit
-			}
+		if m.Hits[i] {
+			cr.answer(k, probeHit)
+		} else {
+			cr.answer(k, probeMiss)
 		}
 	}
 	if !cr.waiting() {

@@ -353,7 +353,7 @@ func (p *TCPPlane) dial(peer string, tp *tcpPeer) ([]*outConn, error) {
 		tp.q.mu.Lock()
 		tp.q.writers++
 		tp.q.mu.Unlock()
-		p.wg.Go(func() { p.writer(o) })
+		p.wg.Go(func() { lowered(p.cfg.Nice, func() { p.writer(o) }) })
 		p.mu.Unlock()
 	}
 	p.mu.Lock()
@@ -418,7 +418,6 @@ func (p *TCPPlane) Write(peer string, round uint64, pairs []SlotPair, done func(
 }
 
 func (p *TCPPlane) writer(o *outConn) {
-	lowerPriority(p.cfg.Nice)
 	var hdr [wire.DataHeaderSize]byte
 	q := o.q
 	for {
@@ -541,8 +540,8 @@ func (p *TCPPlane) Accept(c net.Conn, h wire.Hello) {
 	defer p.mu.Unlock() // the goroutine starts under mu, never after Close's Wait began
 	p.wg.Go(func() {
 		defer tp.readers.Done()
-		lowerPriority(p.cfg.Nice)
-		err := p.read(h.NodeID, c)
+		var err error
+		lowered(p.cfg.Nice, func() { err = p.read(h.NodeID, c) })
 		p.mu.Lock()
 		delete(tp.in, c)
 		p.mu.Unlock()

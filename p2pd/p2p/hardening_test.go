@@ -781,9 +781,13 @@ func TestBulkThreadsNiced(t *testing.T) {
 	if err := p.AddPeer("prod", "prod:1", nil); err != nil {
 		t.Fatal(err)
 	}
+	// Two connections: neither reader runs on the main thread (see lowered).
 	a, b := net.Pipe()
 	defer b.Close()
 	p.Accept(a, wire.Hello{NodeID: "prod"})
+	a2, b2 := net.Pipe()
+	defer b2.Close()
+	p.Accept(a2, wire.Hello{NodeID: "prod"})
 	deadline := time.Now().Add(5 * time.Second)
 	for niced(t, nice) == 0 {
 		if time.Now().After(deadline) {
@@ -792,6 +796,7 @@ func TestBulkThreadsNiced(t *testing.T) {
 		time.Sleep(5 * time.Millisecond)
 	}
 	b.Close()
+	b2.Close()
 	deadline = time.Now().Add(5 * time.Second)
 	for niced(t, nice) != 0 { // the reader's thread ends with it
 		if time.Now().After(deadline) {
@@ -820,4 +825,64 @@ func niced(t *testing.T, nice int) int {
 		}
 	}
 	return n
+}
+
+// Issue 12: queue writes a frame from the caller when the writer is idle.
+// Frames stay in order when the socket takes only part of one and the
+// rest goes to the writer, over a real TCP connection with a small
+// buffer, read as it arrives.
+func TestQueueDirectWriteKeepsOrder(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	out, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	in, err := ln.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer in.Close()
+	in.SetReadDeadline(time.Now().Add(20 * time.Second)) // the test's bound
+	out.SetWriteDeadline(time.Now().Add(20 * time.Second))
+	out.(*net.TCPConn).SetWriteBuffer(16 << 10) // small: some writes are partial
+	received := make(chan []byte, 1)
+	go func() {
+		b, _ := io.ReadAll(in)
+		received <- b
+	}()
+	cc := &ctrlConn{c: out}
+	cc.out.cond = sync.NewCond(&cc.out.Mutex)
+	cc.raw, _ = out.(*net.TCPConn).SyscallConn()
+	done := make(chan struct{})
+	go func() { defer close(done); (&Tier{}).writer(cc) }()
+	var want bytes.Buffer
+	direct := 0
+	for i := range 400 {
+		f := bytes.Repeat([]byte{byte(i)}, 1+(i*7919)%20000)
+		want.Write(f)
+		cc.out.Lock()
+		idle := !cc.out.busy && len(cc.out.frames) == 0
+		cc.out.Unlock()
+		if idle {
+			direct++
+		}
+		if !cc.queue(f) {
+			t.Fatal("queue refused a frame under the cap")
+		}
+	}
+	cc.out.Lock()
+	cc.out.closed = true
+	cc.out.cond.Signal()
+	cc.out.Unlock()
+	<-done
+	if got := <-received; !bytes.Equal(got, want.Bytes()) {
+		t.Fatalf("received %d bytes, not the %d queued in order", len(got), want.Len())
+	}
+	if direct == 0 {
+		t.Fatal("no frame was offered to the direct write")
+	}
 }

@@ -75,9 +75,12 @@ func (t *Tier) serveLookup(s *session, l *plookup, now time.Time) bool {
 	}
 	rid := roundID{m.ReqID, m.Round}
 	r := s.rounds[rid]
-	var hits []offload.Key
-	var hitIdx []int
-	first := map[offload.Key]int{} // a key sent twice gets the answer of its first occurrence
+	hits := make([]offload.Key, 0, len(m.Keys)) // kept by the lease's job
+	if t.first == nil {
+		t.first = map[offload.Key]int{}
+	}
+	first, hitIdx := t.first, t.hitIdx[:0] // a key sent twice gets the answer of its first occurrence
+	defer func() { clear(first); t.hitIdx = hitIdx[:0] }()
 	for i, wk := range m.Keys {
 		k := offload.Key(wk)
 		if _, dup := first[k]; dup {

@@ -8,6 +8,7 @@ import (
 	"net"
 	"slices"
 	"sync"
+	"syscall"
 	"time"
 
 	"github.com/kvtier/kvtier/offload"
@@ -61,12 +62,14 @@ type ctrlConn struct {
 	retiring  bool     // a losing duplicate: nothing new is sent on it
 	wasActive bool     // it was the session's active connection before it retired
 	retiredAt time.Time
-	peerDone  bool // the peer's duplicate marker arrived: nothing more comes on it
+	peerDone  bool            // the peer's duplicate marker arrived: nothing more comes on it
+	raw       syscall.RawConn // the socket, for queue's direct write; nil over TLS or a pipe
 	out       struct {
 		sync.Mutex
 		cond   *sync.Cond
 		frames [][]byte
-		bytes  int // queued in frames
+		bytes  int  // queued in frames
+		busy   bool // the writer is writing frames it took
 		closed bool
 	}
 }
@@ -114,6 +117,9 @@ func (t *Tier) established(pending *session, c net.Conn, sh shaken) {
 	}
 	cc := &ctrlConn{c: c, dialer: sh.dialer, nonce: sh.dialNonce}
 	cc.out.cond = sync.NewCond(&cc.out.Mutex)
+	if sc, ok := c.(syscall.Conn); ok {
+		cc.raw, _ = sc.SyscallConn()
+	}
 	pc := sh.peer
 	s := t.byNode[pc.NodeID]
 	if s != nil && s.peerInc != pc.Incarnation {
@@ -313,12 +319,14 @@ func (t *Tier) writer(cc *ctrlConn) {
 	o := &cc.out
 	for {
 		o.Lock()
+		o.busy = false
 		for len(o.frames) == 0 && !o.closed {
 			o.cond.Wait()
 		}
 		frames := o.frames
 		o.frames, o.bytes = nil, 0
 		closed := o.closed
+		o.busy = true
 		o.Unlock()
 		for _, f := range frames {
 			if _, err := cc.c.Write(f); err != nil {
@@ -340,6 +348,10 @@ func (t *Tier) writer(cc *ctrlConn) {
 var maxQueued = 64 << 20
 
 // queue hands f to the writer; false when the queue is over maxQueued.
+// When the writer is idle with nothing queued, the caller first writes f
+// itself with one non-blocking write, so a lookup does not wait for the
+// writer goroutine to wake (issue 12); what the socket does not take at
+// once goes to the writer, which keeps the frames in order.
 func (cc *ctrlConn) queue(f []byte) bool {
 	cc.out.Lock()
 	defer cc.out.Unlock()
@@ -348,6 +360,11 @@ func (cc *ctrlConn) queue(f []byte) bool {
 	}
 	if cc.out.bytes+len(f) > maxQueued {
 		return false
+	}
+	if cc.raw != nil && !cc.out.busy && len(cc.out.frames) == 0 {
+		if f = f[tryWrite(cc.raw, f):]; len(f) == 0 {
+			return true
+		}
 	}
 	cc.out.frames = append(cc.out.frames, f)
 	cc.out.bytes += len(f)
@@ -596,8 +613,8 @@ func (t *Tier) timeouts(s *session, now time.Time) time.Time {
 			t.st.lookupTimeouts++
 			t.log.Warn("p2p: lookup not answered in time; its keys miss", "peer", s.peer, "kv_request_id", cr.kvID)
 			for k, v := range cr.probes {
-				if v == probePending && !slices.Contains(cr.unsent, k) {
-					cr.probes[k] = probeMiss
+				if v == probePending {
+					cr.answer(k, probeMiss)
 				}
 			}
 			cr.askedAt = time.Time{}
@@ -678,4 +695,18 @@ func (s *session) busy() bool {
 		}
 	}
 	return false
+}
+
+// tryWrite writes what of f the socket takes now, without waiting, and
+// returns how much that was. A failed write returns 0: the writer meets
+// the error again and handles it.
+func tryWrite(raw syscall.RawConn, f []byte) int {
+	n := 0
+	raw.Write(func(fd uintptr) bool {
+		if w, err := syscall.Write(int(fd), f); err == nil {
+			n = w
+		}
+		return true // one attempt; never wait here
+	})
+	return n
 }

@@ -66,6 +66,10 @@ type Tier struct {
 	redial   map[string]*backoff // static peers not connected: when to dial again
 	// lookupSeq numbers the outside requests of served lookups.
 	lookupSeq uint64
+	// first and hitIdx are serveLookup's scratch, kept so serving a
+	// lookup allocates nothing per key (issue 12); emptied on every use.
+	first  map[offload.Key]int
+	hitIdx []int
 }
 
 type stats struct {
@@ -565,7 +569,7 @@ func (t *Tier) Lookup(k offload.Key, req *offload.Request) offload.Result {
 	}
 	switch v, ok := cr.probes[k]; {
 	case !ok:
-		cr.probes[k] = probePending
+		cr.probes[k] = probeUnsent
 		cr.unsent = append(cr.unsent, k)
 		return offload.Retry
 	case v == probeHit:
@@ -689,7 +693,11 @@ func (t *Tier) OnScheduleEnd() {
 			}
 			t.armBy(s.lastRecv.Add(time.Duration(t.cfg.KeepaliveInterval))) // pings while it is outstanding (S6.9)
 			t.send(s, wire.Lookup{ReqID: cr.kvID, Round: cr.round, Keys: toWire(cr.unsent)})
-			cr.unsent = nil
+			for _, k := range cr.unsent {
+				cr.probes[k] = probePending
+			}
+			cr.asked += len(cr.unsent)
+			cr.unsent = cr.unsent[:0]
 			cr.lookupOpen = true
 		}
 	}

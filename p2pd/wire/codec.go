@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"fmt"
 	"io"
+	"slices"
 )
 
 // Append encodes m as a frame appended to b.
@@ -91,6 +92,7 @@ func appendString(b []byte, s string) []byte {
 }
 
 func appendKeys(b []byte, keys []Key) []byte {
+	b = slices.Grow(b, 4+len(keys)*len(Key{})+len(keys)) // the keys, and a lookup_resp's hits after them
 	b = binary.BigEndian.AppendUint32(b, uint32(len(keys)))
 	for _, k := range keys {
 		b = append(b, k[:]...)
