@@ -243,6 +243,28 @@ func (m *Mover) ReadBlock(b int, dst []byte) error {
 	return m.backend.readBlock(b, dst)
 }
 
+// VisitBlock passes GPU block b's bytes, block-major, to fn in consecutive
+// pieces, synchronously: how a digest reads the cache. On the host
+// backend the pieces are the cache's own memory, with no copy (fn must not
+// keep or change them); on the GPU, b is first read into buf (BlockBytes
+// long, used only there).
+func (m *Mover) VisitBlock(b int, buf []byte, fn func([]byte)) error {
+	if err := m.blockArgs(b, len(buf)); err != nil {
+		return err
+	}
+	if h, ok := m.backend.(*hostBackend); ok {
+		for s := range m.spec.Layout.Segments() {
+			fn(h.gpu(b, s))
+		}
+		return nil
+	}
+	if err := m.backend.readBlock(b, buf); err != nil {
+		return err
+	}
+	fn(buf)
+	return nil
+}
+
 func (m *Mover) blockArgs(b, n int) error {
 	if err := m.check([]Pair{{GPU: int32(b)}}); err != nil {
 		return err

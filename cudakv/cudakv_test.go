@@ -177,6 +177,13 @@ func roundTrip(t *testing.T, m *Mover, spec Spec, c copyCase, slots int) {
 		if err := m.ReadBlock(b, got); err != nil {
 			t.Fatal(err)
 		}
+		var seen []byte // VisitBlock's pieces, in order, are the same bytes
+		if err := m.VisitBlock(b, make([]byte, bb), func(p []byte) { seen = append(seen, p...) }); err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(seen, got) {
+			t.Fatalf("VisitBlock(%d) passes other bytes than ReadBlock reads", b)
+		}
 		w, ok := want[b]
 		if !ok {
 			w = blocks[b] // untouched

@@ -2,6 +2,9 @@ package engine
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/binary"
+	"encoding/hex"
 	"errors"
 	"hash/crc32"
 	"strings"
@@ -199,5 +202,33 @@ func TestStoreDoneWaitsForChecksums(t *testing.T) {
 	close(j.sums)
 	if done, err := j.copyDone(); !done || err != nil {
 		t.Fatalf("copyDone after the checksums: %v, %v", done, err)
+	}
+}
+
+// Issue 12: the digests read the cache in place; they still are what the
+// kinds define: SHA-256 over the blocks' bytes in order, or over their
+// CRC32Cs (big-endian), as ReadBlock sees them.
+func TestDigestDefinition(t *testing.T) {
+	e, _ := newEngine(t, 64, 32)
+	if _, err := e.Submit(context.Background(), Request{ID: "a", Tokens: tokens(3, 16*4)}); err != nil {
+		t.Fatal(err)
+	}
+	gpu := []int32{0, 1, 2, 3}
+	sha, crcs := sha256.New(), sha256.New()
+	buf := make([]byte, e.geo.BlockBytes())
+	for _, b := range gpu {
+		if err := e.mv.ReadBlock(int(b), buf); err != nil {
+			t.Fatal(err)
+		}
+		sha.Write(buf)
+		crcs.Write(binary.BigEndian.AppendUint32(nil, crc32.Checksum(buf, crc32c.Table)))
+	}
+	for kind, want := range map[string]string{
+		DigestSHA256: hex.EncodeToString(sha.Sum(nil)),
+		DigestCRC32C: "crc32c:" + hex.EncodeToString(crcs.Sum(nil)),
+	} {
+		if got, err := e.digestOf(kind, gpu); err != nil || got != want {
+			t.Errorf("digest %s = %q, %v; want %q", kind, got, err, want)
+		}
 	}
 }

@@ -542,17 +542,21 @@ func (e *Engine) digestOf(kind string, gpu []int32) (string, error) {
 	buf := e.digestBufs.Get().(*[]byte)
 	defer e.digestBufs.Put(buf)
 	h := sha256.New()
-	var crc [4]byte
+	var crc uint32
+	var sum [4]byte
+	each := func(p []byte) { h.Write(p) }
+	if kind == DigestCRC32C {
+		each = func(p []byte) { crc = crc32c.Update(crc, p) }
+	}
 	for _, b := range gpu {
-		if err := e.mv.ReadBlock(int(b), *buf); err != nil {
+		crc = 0
+		// In place on the host backend: no copy of the cache (issue 12).
+		if err := e.mv.VisitBlock(int(b), *buf, each); err != nil {
 			return "", err
 		}
 		if kind == DigestCRC32C {
-			binary.BigEndian.PutUint32(crc[:], crc32c.Checksum(*buf))
-			h.Write(crc[:])
-			continue
+			h.Write(binary.BigEndian.AppendUint32(sum[:0], crc))
 		}
-		h.Write(*buf)
 	}
 	d := hex.EncodeToString(h.Sum(nil))
 	if kind == DigestCRC32C {
