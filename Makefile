@@ -5,7 +5,7 @@ PKGS    := github.com/kvtier/kvtier/...
 OFFLINE := GOFLAGS=-mod=vendor GOPROXY=off
 GO      ?= go
 
-.PHONY: all build test fmt-check vet race nocgo vendor vendor-check bench kvbench demo clean generate check-cuda gpu-bundle fuzz test-nixl build-nixl kvbench-nixl nixl-check
+.PHONY: all build test fmt-check vet race allocs nocgo vendor vendor-check bench kvbench demo clean generate check-cuda gpu-bundle fuzz test-nixl build-nixl kvbench-nixl nixl-check
 
 # The CUDA kernels: compiled by nvcc into a committed fatbin (sm_80, sm_90
 # and compute_80 PTX) that cudakv embeds; copy.cu.sha256 records the source
@@ -27,7 +27,7 @@ build:
 	$(OFFLINE) $(GO) build -o bin/ $(PKGS)
 
 ## test: gofmt check, go vet, race-enabled tests, and a CGO_ENABLED=0 build
-test: fmt-check vet race nocgo
+test: fmt-check vet race allocs nocgo
 
 fmt-check:
 	@out=$$(git ls-files -co --exclude-standard '*.go' | grep -v '^vendor/' | xargs gofmt -l); \
@@ -38,6 +38,11 @@ vet:
 
 race:
 	$(OFFLINE) $(GO) test -race -count=1 $(PKGS)
+
+# allocs: the allocation tests again without the race detector, which
+# changes allocation counts (sync.Pool drops items under it)
+allocs:
+	$(OFFLINE) $(GO) test -count=1 -run 'Allocs' $(PKGS)
 
 nocgo:
 	CGO_ENABLED=0 $(OFFLINE) $(GO) build $(PKGS)

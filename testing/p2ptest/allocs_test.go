@@ -9,10 +9,15 @@ import (
 
 // Issue 12: a consumer's lookups of a remote request, and the lookup
 // frame they send, allocate nothing per key: a request of 64 keys
-// allocates about as often as one of a single key. (Per request there is
-// the request's own state; maps come back from finished requests. The
-// slack covers a garbage collection emptying those pools mid-run.)
+// allocates about as often as one of a single key (per request there is
+// the request's own state; maps come back from finished requests). The
+// slack, a quarter of an allocation a key, covers a map or list growing
+// (a few times, not once a key) when a garbage collection emptied the
+// pools, and the peer's goroutines, which allocate in the same process.
 func TestRemoteLookupAllocsPerKey(t *testing.T) {
+	if race {
+		t.Skip("the race detector makes sync.Pool drop items: counts would vary")
+	}
 	prod := NewNode(t, tiny, 64, nil, nil)
 	cons := NewNode(t, tiny, 64, nil, nil)
 	keys := Keys(9, 64, tiny.BlockTokens)
@@ -34,7 +39,7 @@ func TestRemoteLookupAllocsPerKey(t *testing.T) {
 	}
 	allocs(64) // fills the pools
 	one, many := allocs(1), allocs(64)
-	if many > one+4 {
+	if many > one+16 {
 		t.Fatalf("64 keys allocate %.1f times per request, 1 key %.1f: lookups allocate per key", many, one)
 	}
 }

@@ -1,0 +1,5 @@
+//go:build !race
+
+package p2ptest
+
+const race = false
