@@ -27,6 +27,7 @@ type creq struct {
 	probes     map[offload.Key]int8
 	unsent     []offload.Key
 	asked      int       // probes sent to the peer and not answered
+	peak       int       // the most probes it held (bounds what is recycled)
 	round      uint64    // the round its lookups go in; 0: none open
 	lookupOpen bool      // a lookup was sent and no fetch closed it (S6.7)
 	askedAt    time.Time // the oldest lookup still unanswered was sent (S6.10)
@@ -37,9 +38,10 @@ type creq struct {
 // waiting says whether a lookup sent to the peer has keys not answered.
 func (cr *creq) waiting() bool { return cr.asked > 0 }
 
-// answer records the peer's answer for an asked key.
+// answer records the peer's answer for an asked key; an answer for a key
+// never asked (a confused or hostile peer) changes nothing.
 func (cr *creq) answer(k offload.Key, r int8) {
-	if cr.probes[k] == probePending {
+	if v, ok := cr.probes[k]; ok && v == probePending {
 		cr.probes[k] = r
 		cr.asked--
 	}
@@ -121,7 +123,7 @@ func (t *Tier) OnRequestFinished(req *offload.Request) {
 	}
 	if s.creqs[cr.kvID] == cr {
 		delete(s.creqs, cr.kvID)
-		if len(cr.probes) <= maxSpareProbes {
+		if cr.peak <= maxSpareProbes {
 			clear(cr.probes)
 			spareProbes.Put(&spare{cr.probes, cr.unsent[:0]})
 		}

@@ -886,3 +886,25 @@ func TestQueueDirectWriteKeepsOrder(t *testing.T) {
 		t.Fatal("no frame was offered to the direct write")
 	}
 }
+
+// An answer naming keys the consumer never asked changes nothing: the
+// asked key still waits, so the lookup's own bound (S6.10) still fires
+// and turns it into a miss, and the unasked keys leave no state.
+func TestAnswerForUnaskedKeys(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		mn := newMemNet()
+		cons, req, f, lk := consumerSetup(t, mn, testKeys(1, 2))
+		ks := append(lk.Keys[1:2:2], wkeys(testKeys(50, 2))...) // the second key, and two never asked
+		f.send(wire.LookupResp{ReqID: lk.ReqID, Round: lk.Round, Keys: ks, Hits: make([]bool, len(ks))})
+		synctest.Wait()
+		cr := cons.tier.creqOf(req)
+		if cr.asked != 1 || len(cr.probes) != 2 || !cr.s.busy() {
+			t.Fatalf("after an answer with unasked keys: %d asked, %d probes, busy %v; want 1, 2, true", cr.asked, len(cr.probes), cr.s.busy())
+		}
+		time.Sleep(cons.tier.cfg.lookupTimeout() + time.Second)
+		synctest.Wait()
+		if n := cons.tier.st.lookupTimeouts; n != 1 {
+			t.Fatalf("%d lookup timeouts, want 1: the first key's lookup went unbounded", n)
+		}
+	})
+}

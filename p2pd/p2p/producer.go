@@ -75,7 +75,7 @@ func (t *Tier) serveLookup(s *session, l *plookup, now time.Time) bool {
 	}
 	rid := roundID{m.ReqID, m.Round}
 	r := s.rounds[rid]
-	hits := make([]offload.Key, 0, len(m.Keys)) // kept by the lease's job
+	var hits []offload.Key // kept by the lease's job
 	if t.first == nil {
 		t.first = map[offload.Key]int{}
 	}
@@ -98,6 +98,9 @@ func (t *Tier) serveLookup(s *session, l *plookup, now time.Time) bool {
 		}
 		switch p.Lookup(k, l.req) {
 		case offload.Hit:
+			if hits == nil {
+				hits = make([]offload.Key, 0, len(m.Keys)-i)
+			}
 			hits = append(hits, k)
 			hitIdx = append(hitIdx, i)
 		case offload.Miss:

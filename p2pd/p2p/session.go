@@ -117,8 +117,8 @@ func (t *Tier) established(pending *session, c net.Conn, sh shaken) {
 	}
 	cc := &ctrlConn{c: c, dialer: sh.dialer, nonce: sh.dialNonce}
 	cc.out.cond = sync.NewCond(&cc.out.Mutex)
-	if sc, ok := c.(syscall.Conn); ok {
-		cc.raw, _ = sc.SyscallConn()
+	if tc, ok := c.(*net.TCPConn); ok { // exactly a socket: a wrapper (TLS) writes through itself
+		cc.raw, _ = tc.SyscallConn()
 	}
 	pc := sh.peer
 	s := t.byNode[pc.NodeID]

@@ -571,6 +571,7 @@ func (t *Tier) Lookup(k offload.Key, req *offload.Request) offload.Result {
 	case !ok:
 		cr.probes[k] = probeUnsent
 		cr.unsent = append(cr.unsent, k)
+		cr.peak = max(cr.peak, len(cr.probes))
 		return offload.Retry
 	case v == probeHit:
 		return offload.Hit
