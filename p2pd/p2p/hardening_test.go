@@ -897,14 +897,19 @@ func TestAnswerForUnaskedKeys(t *testing.T) {
 		ks := append(lk.Keys[1:2:2], wkeys(testKeys(50, 2))...) // the second key, and two never asked
 		f.send(wire.LookupResp{ReqID: lk.ReqID, Round: lk.Round, Keys: ks, Hits: make([]bool, len(ks))})
 		synctest.Wait()
-		cr := cons.tier.creqOf(req)
-		if cr.asked != 1 || len(cr.probes) != 2 || !cr.s.busy() {
-			t.Fatalf("after an answer with unasked keys: %d asked, %d probes, busy %v; want 1, 2, true", cr.asked, len(cr.probes), cr.s.busy())
+		var asked, probes int
+		var busy bool
+		cons.m.Do(func(*offload.Step) { // the tier's state is the manager's, under its lock
+			cr := cons.tier.creqOf(req)
+			asked, probes, busy = cr.asked, len(cr.probes), cr.s.busy()
+		})
+		if asked != 1 || probes != 2 || !busy {
+			t.Fatalf("after an answer with unasked keys: %d asked, %d probes, busy %v; want 1, 2, true", asked, probes, busy)
 		}
 		time.Sleep(cons.tier.cfg.lookupTimeout() + time.Second)
 		synctest.Wait()
-		if n := cons.tier.st.lookupTimeouts; n != 1 {
-			t.Fatalf("%d lookup timeouts, want 1: the first key's lookup went unbounded", n)
+		if v := stat(cons, "kv_offload_p2p_lookup_timeouts_total"); v != 1 {
+			t.Fatalf("%v lookup timeouts, want 1: the first key's lookup went unbounded", v)
 		}
 	})
 }
