@@ -14,6 +14,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"sync"
 	"time"
 	"unsafe"
@@ -98,6 +99,13 @@ type ringSlot struct {
 	dev   uint64
 	event unsafe.Pointer
 	t     *Ticket
+	// sums (pinned, mapped, sumsCap words, grown by sumsFor) receives
+	// kv_store_sum's raw CRC per (pair, segment) when summed; n is the
+	// batch's pair count.
+	sums    unsafe.Pointer
+	sumsCap int
+	summed  bool
+	n       int
 }
 
 type cudaBackend struct {
@@ -108,6 +116,7 @@ type cudaBackend struct {
 	regBases  []unsafe.Pointer
 	regTime   time.Duration
 	maxPairs  int
+	crc       blockCRC
 	log       *slog.Logger
 	mu        sync.Mutex
 	free      []*ringSlot
@@ -153,6 +162,7 @@ func (b *cudaBackend) setup() error {
 	}
 	b.regTime = time.Since(start)
 	l := b.spec.Layout
+	b.crc = newBlockCRC(l.SegmentBytes, l.Segments())
 	region := uint64(l.Blocks) * uint64(l.stride())
 	var cache C.uint64_t
 	if err := cudaErr("cuMemAlloc (GPU cache)", C.kv_malloc(b.ctx, C.size_t(region*uint64(l.Segments())), &cache)); err != nil {
@@ -198,12 +208,46 @@ func (b *cudaBackend) registerTime() time.Duration { return b.regTime }
 func (b *cudaBackend) slotLocked() *ringSlot {
 	if len(b.free) == 0 {
 		oldest := b.inflight[0]
-		oldest.t.finish(cudaErr("cuEventSynchronize", C.kv_event_sync(b.ctx, oldest.event)))
-		b.releaseLocked(oldest)
+		t := oldest.t
+		t.finish(b.endLocked(oldest, cudaErr("cuEventSynchronize", C.kv_event_sync(b.ctx, oldest.event))))
 	}
 	r := b.free[len(b.free)-1]
 	b.free = b.free[:len(b.free)-1]
 	return r
+}
+
+// sumsFor makes r.sums hold n words: it grows to the largest batch with
+// checksums that r has carried.
+func (b *cudaBackend) sumsFor(r *ringSlot, n int) error {
+	if n <= r.sumsCap {
+		return nil
+	}
+	if r.sums != nil {
+		if err := cudaErr("cuMemFreeHost (checksums)", C.kv_pinned_free(b.ctx, r.sums)); err != nil {
+			return err
+		}
+		r.sums, r.sumsCap = nil, 0
+	}
+	if err := cudaErr("cuMemHostAlloc (checksums)", C.kv_pinned(b.ctx, C.size_t(4*n), &r.sums)); err != nil {
+		return err
+	}
+	r.sumsCap = n
+	return nil
+}
+
+// endLocked releases r, whose batch ended with err, after handing its
+// ticket the blocks' checksums if the kernel computed them.
+func (b *cudaBackend) endLocked(r *ringSlot, err error) error {
+	if err == nil && r.summed {
+		nseg := b.spec.Layout.Segments()
+		raw := unsafe.Slice((*uint32)(r.sums), r.n*nseg)
+		r.t.sums = make([]uint32, r.n)
+		for p := range r.t.sums {
+			r.t.sums[p] = b.crc.join(raw[p*nseg : (p+1)*nseg])
+		}
+	}
+	b.releaseLocked(r)
+	return err
 }
 
 func (b *cudaBackend) releaseLocked(r *ringSlot) {
@@ -231,10 +275,19 @@ func (b *cudaBackend) submit(pairs []Pair, toCPU bool) (*Ticket, error) {
 		dst[2*i], dst[2*i+1] = p.GPU, p.CPU
 	}
 	l := b.spec.Layout
+	r.n, r.summed = len(pairs), toCPU && b.spec.Checksums
+	var sums C.uint64_t
+	if r.summed {
+		if err := b.sumsFor(r, len(pairs)*l.Segments()); err != nil {
+			b.free = append(b.free, r)
+			return nil, err
+		}
+		sums = C.uint64_t(uintptr(r.sums))
+	}
 	status := C.kv_copy(b.ctx, dirOf(toCPU), C.uint64_t(b.bases), r.host, C.uint64_t(r.dev), C.int(len(pairs)),
 		C.int(l.Segments()), C.uint64_t(l.SegmentBytes), C.uint64_t(l.stride()),
 		C.uint64_t(uintptr(unsafe.Pointer(unsafe.SliceData(b.spec.Arena)))), C.uint64_t(b.spec.SlotStride),
-		C.int(b.spec.CTAs), C.int(b.spec.Threads), r.event)
+		C.int(b.spec.CTAs), C.int(b.spec.Threads), sums, r.event)
 	if err := cudaErr("kernel launch", status); err != nil {
 		b.free = append(b.free, r)
 		return nil, err
@@ -252,8 +305,7 @@ func (b *cudaBackend) submit(pairs []Pair, toCPU bool) (*Ticket, error) {
 		case C.KV_CUDA_NOT_READY:
 			return false, nil
 		default:
-			b.releaseLocked(r)
-			return true, cudaErr("cuEventQuery", s)
+			return true, b.endLocked(r, cudaErr("cuEventQuery", s))
 		}
 	}
 	t.wait = func() error {
@@ -262,9 +314,7 @@ func (b *cudaBackend) submit(pairs []Pair, toCPU bool) (*Ticket, error) {
 		if r.t != t {
 			return nil
 		}
-		err := cudaErr("cuEventSynchronize", C.kv_event_sync(b.ctx, r.event))
-		b.releaseLocked(r)
-		return err
+		return b.endLocked(r, cudaErr("cuEventSynchronize", C.kv_event_sync(b.ctx, r.event)))
 	}
 	return t, nil
 }
@@ -301,16 +351,19 @@ func (b *cudaBackend) close() error {
 	for _, dir := range []C.int{0, 1} {
 		errs = append(errs, cudaErr("cuStreamSynchronize", C.kv_stream_sync(b.ctx, dir)))
 	}
-	for _, r := range b.inflight {
-		r.t.finish(nil)
+	for _, r := range slices.Clone(b.inflight) {
+		t := r.t
+		t.finish(b.endLocked(r, nil))
 	}
 	b.inflight, b.free = nil, nil
 	for _, r := range b.allocated {
 		if r.event != nil {
 			C.kv_event_free(b.ctx, r.event)
 		}
-		if r.host != nil {
-			errs = append(errs, cudaErr("cuMemFreeHost", C.kv_pinned_free(b.ctx, r.host)))
+		for _, p := range []unsafe.Pointer{r.host, r.sums} {
+			if p != nil {
+				errs = append(errs, cudaErr("cuMemFreeHost", C.kv_pinned_free(b.ctx, p)))
+			}
 		}
 		if r.dev != 0 {
 			errs = append(errs, cudaErr("cuMemFree", C.kv_free(b.ctx, C.uint64_t(r.dev))))
@@ -334,14 +387,18 @@ func (b *cudaBackend) setGrid(ctas, threads int) {
 	b.spec.CTAs, b.spec.Threads = ctas, threads
 }
 
+func (b *cudaBackend) setChecksums(on bool) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.spec.Checksums = on
+}
+
 func (b *cudaBackend) baseline(engine string, store bool, pairs []Pair, reps int) (time.Duration, error) {
 	switch engine {
 	case "contiguous":
 		return b.contiguous(store, len(pairs)*b.spec.Layout.BlockBytes(), reps)
-	case "per-segment":
-		return b.perSegment(store, pairs, reps)
-	case "batched":
-		return b.batched(store, pairs, reps)
+	case "per-segment", "batched":
+		return b.copyEngines(engine, store, pairs, reps)
 	}
 	return 0, fmt.Errorf("cudakv: no baseline %q", engine)
 }
@@ -415,32 +472,30 @@ func (b *cudaBackend) segmentCopies(pairs []Pair, f func(host unsafe.Pointer, de
 	return nil
 }
 
-// perSegment times one copy-engine transfer per (pair, segment).
-func (b *cudaBackend) perSegment(store bool, pairs []Pair, reps int) (time.Duration, error) {
+// ceCopies returns a function that queues the copy engines' transfer of
+// every (pair, segment) of a batch on a direction's stream — engine
+// "per-segment" (one cuMemcpyAsync each) or "batched" (the driver's batched
+// copy in one call; ErrUnavailable before CUDA 12.8) — and one that frees
+// what it holds (the batched copy's address arrays, in C memory).
+func (b *cudaBackend) ceCopies(engine string, store bool, pairs []Pair) (enqueue func() error, release func(), err error) {
 	dir := dirOf(store)
-	seg := C.size_t(b.spec.Layout.SegmentBytes)
-	return timeMedian(reps, func() error {
-		err := b.segmentCopies(pairs, func(host unsafe.Pointer, dev C.uint64_t) error {
-			return cudaErr("cuMemcpyAsync", C.kv_memcpy_async(b.ctx, dir, host, dev, seg))
-		})
-		if err != nil {
-			return err
-		}
-		return b.sync(store)
-	})
-}
-
-// batched times the driver's batched copy of every (pair, segment) in one
-// call, or returns ErrUnavailable when the driver lacks it (before CUDA
-// 12.8). The address arrays live in C memory.
-func (b *cudaBackend) batched(store bool, pairs []Pair, reps int) (time.Duration, error) {
-	dir := dirOf(store)
+	seg := b.spec.Layout.SegmentBytes
+	switch engine {
+	case "per-segment":
+		return func() error {
+			return b.segmentCopies(pairs, func(host unsafe.Pointer, dev C.uint64_t) error {
+				return cudaErr("cuMemcpyAsync", C.kv_memcpy_async(b.ctx, dir, host, dev, C.size_t(seg)))
+			})
+		}, func() {}, nil
+	case "batched":
+	default:
+		return nil, nil, fmt.Errorf("cudakv: no copy-engine baseline %q", engine)
+	}
 	n := len(pairs) * b.spec.Layout.Segments()
 	arrays := C.malloc(C.size_t(3 * 8 * n))
 	if arrays == nil {
-		return 0, errors.New("cudakv: malloc failed")
+		return nil, nil, errors.New("cudakv: malloc failed")
 	}
-	defer C.free(arrays)
 	dsts := unsafe.Slice((*C.uint64_t)(arrays), 3*n)
 	srcs, sizes := dsts[n:2*n], unsafe.Slice((*C.size_t)(unsafe.Pointer(&dsts[2*n])), n)
 	i := 0
@@ -451,18 +506,62 @@ func (b *cudaBackend) batched(store bool, pairs []Pair, reps int) (time.Duration
 		} else {
 			dsts[i], srcs[i] = dev, h
 		}
-		sizes[i] = C.size_t(b.spec.Layout.SegmentBytes)
+		sizes[i] = C.size_t(seg)
 		i++
 		return nil
 	})
-	return timeMedian(reps, func() error {
+	return func() error {
 		status := C.kv_memcpy_batch(b.ctx, dir, &dsts[0], &srcs[0], &sizes[0], C.size_t(n))
 		if status == C.KV_ERR_DLSYM {
 			return fmt.Errorf("%w: the driver has no cuMemcpyBatchAsync", ErrUnavailable)
 		}
-		if err := cudaErr("cuMemcpyBatchAsync", status); err != nil {
+		return cudaErr("cuMemcpyBatchAsync", status)
+	}, func() { C.free(arrays) }, nil
+}
+
+// copyEngines times engine's transfer of every (pair, segment) of a batch.
+func (b *cudaBackend) copyEngines(engine string, store bool, pairs []Pair, reps int) (time.Duration, error) {
+	enqueue, release, err := b.ceCopies(engine, store, pairs)
+	if err != nil {
+		return 0, err
+	}
+	defer release()
+	return timeMedian(reps, func() error {
+		if err := enqueue(); err != nil {
 			return err
 		}
 		return b.sync(store)
+	})
+}
+
+// hybrid times a store of the first half of the pairs and a load of the
+// second half at once: one direction by m's kernel, the other by the copy
+// engines (engine as in ceCopies) on the other stream.
+func (b *cudaBackend) hybrid(m *Mover, pairs []Pair, kernelStores bool, engine string, reps int) (time.Duration, error) {
+	half := len(pairs) / 2
+	ce := pairs[half:] // the copy engines load the second half
+	if !kernelStores {
+		ce = pairs[:half] // or store the first
+	}
+	enqueue, release, err := b.ceCopies(engine, !kernelStores, ce)
+	if err != nil {
+		return 0, err
+	}
+	defer release()
+	return timeMedian(reps, func() error {
+		var t *Ticket
+		var err error
+		if kernelStores {
+			t, err = m.Store(pairs[:half])
+		} else {
+			t, err = m.Load(pairs[half:])
+		}
+		if err != nil {
+			return err
+		}
+		if err := enqueue(); err != nil {
+			return errors.Join(err, t.Wait())
+		}
+		return errors.Join(b.sync(!kernelStores), t.Wait())
 	})
 }

@@ -86,7 +86,7 @@ struct kv_ctx {
 	CUdevice dev;
 	CUcontext ctx;
 	CUmodule mod;
-	CUfunction store, load;
+	CUfunction store, store_sum, load;
 	CUstream stream[2];  // [0] loads (higher priority), [1] stores
 	int sms;
 	char name[256];
@@ -218,6 +218,7 @@ int kv_open(int device, const void *fatbin, kv_ctx **out) {
 	r = cu.CtxSetCurrent(c->ctx);
 	if (r == 0) r = cu.ModuleLoadData(&c->mod, fatbin);
 	if (r == 0) r = cu.ModuleGetFunction(&c->store, c->mod, "kv_store");
+	if (r == 0) r = cu.ModuleGetFunction(&c->store_sum, c->mod, "kv_store_sum");
 	if (r == 0) r = cu.ModuleGetFunction(&c->load, c->mod, "kv_load");
 	if (r == 0) r = cu.CtxGetStreamPriorityRange(&least, &greatest);
 	// Loads gate prefill: their stream gets the greatest priority.
@@ -327,7 +328,7 @@ int kv_stream_sync(kv_ctx *c, int to_host) {
 
 int kv_copy(kv_ctx *c, int to_host, uint64_t bases, const void *host_pairs, uint64_t dev_pairs, int npairs,
             int nseg, uint64_t seg, uint64_t block_stride, uint64_t host_base, uint64_t slot_stride, int ctas,
-            int threads, void *done) {
+            int threads, uint64_t sums, void *done) {
 	CHECK(cur(c));
 	CUstream s = c->stream[to_host ? 1 : 0];
 	if (npairs > 0) {
@@ -336,8 +337,9 @@ int kv_copy(kv_ctx *c, int to_host, uint64_t bases, const void *host_pairs, uint
 		long long items = (long long)npairs * nseg;
 		long long need = (items + threads / 32 - 1) / (threads / 32);
 		unsigned grid = (unsigned)(need < ctas ? need : ctas);
-		void *args[] = {&bases, &dev_pairs, &npairs, &nseg, &seg, &block_stride, &host_base, &slot_stride};
-		CHECK(cu.LaunchKernel(to_host ? c->store : c->load, grid, 1, 1, (unsigned)threads, 1, 1, 0, s, args, NULL));
+		void *args[] = {&bases, &dev_pairs, &npairs, &nseg, &seg, &block_stride, &host_base, &slot_stride, &sums};
+		CUfunction f = !to_host ? c->load : sums ? c->store_sum : c->store;
+		CHECK(cu.LaunchKernel(f, grid, 1, 1, (unsigned)threads, 1, 1, 0, s, args, NULL));
 	}
 	if (done) CHECK(cu.EventRecord(done, s));
 	return 0;

@@ -81,8 +81,9 @@ type Spec struct {
 	// Workers is the host backend's parallelism (default GOMAXPROCS).
 	Workers int
 	// Checksums asks stores to compute each block's CRC32C (Castagnoli)
-	// as they copy it, while it is hot (Ticket.Sums). The host backend
-	// does; the CUDA backend does not yet (Sums is nil).
+	// as they copy it, while it is hot (Ticket.Sums): the host backend
+	// right after each segment's copy, the CUDA backend in the store
+	// kernel from the values it copies (kernels/copy.cu, kv_store_sum).
 	Checksums bool
 	Logger    *slog.Logger
 }
