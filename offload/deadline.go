@@ -7,9 +7,9 @@ import (
 
 // Bounded HitPending and Retry (S4). The first unsettled answer (HitPending
 // or Retry) of a (request, key) starts a deadline of hit_pending_timeout;
-// after it the pair answers a stable Miss. One timer fires at the nearest
-// deadline, expires what is due and signals progress so that a sleeping
-// engine looks again.
+// after it the pair answers a stable Miss. The poll goroutine's clock
+// fires at the nearest deadline; its pass expires what is due and signals
+// progress so that a sleeping engine looks again.
 
 // Timeout reasons: the unsettled answer a (request, key) gave last before
 // its deadline expired, the reason label of
@@ -80,32 +80,29 @@ func (m *Manager) expireLocked(st *reqState, k Key, d deadline) {
 	m.mu.counters.timeouts[reason]++
 }
 
-// armDeadlineLocked makes the timer fire no later than d.
+// armDeadlineLocked asks the poll goroutine's clock for a pass by d,
+// unless it was already asked for one at or before d (deadlines are added
+// in time order, so lookups rarely ask).
 func (m *Manager) armDeadlineLocked(d time.Time) {
-	if m.mu.closed {
-		return
-	}
-	if m.mu.deadlineTimer == nil {
-		m.mu.deadlineAt = d
-		m.mu.deadlineTimer = time.AfterFunc(time.Until(d), m.onDeadline)
-		return
-	}
 	if m.mu.deadlineAt.IsZero() || d.Before(m.mu.deadlineAt) {
 		m.mu.deadlineAt = d
-		m.mu.deadlineTimer.Reset(time.Until(d))
+		m.wakeAt(d)
 	}
 }
 
-// onDeadline runs on the timer's goroutine: it expires every due deadline,
-// signals progress if any did and re-arms for the next one.
-func (m *Manager) onDeadline() {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	m.mu.deadlineAt = time.Time{}
-	if m.mu.closed {
+// expireDueLocked, in the poll goroutine's pass, expires every deadline
+// due by now, signals progress if one did and asks the clock for the
+// next one (again when none is due: the clock may have fired for an
+// earlier time asked by someone else).
+func (m *Manager) expireDueLocked(now time.Time) {
+	if m.mu.deadlineAt.IsZero() {
 		return
 	}
-	now := time.Now()
+	if now.Before(m.mu.deadlineAt) {
+		m.wakeAt(m.mu.deadlineAt)
+		return
+	}
+	m.mu.deadlineAt = time.Time{}
 	var next time.Time
 	expired := false
 	for _, st := range m.mu.reqs {

@@ -27,8 +27,10 @@ type Manager struct {
 	wake         chan struct{} // wakes the poll goroutine
 	stop         chan struct{} // closed by Close
 	pollDone     chan struct{} // closed when the poll goroutine returned
-	pollAlive    atomic.Bool
-	events       eventHub // S2.8; its own lock, taken after mu
+	pollAlive    atomic.Bool   // the poll goroutine runs and services the polled tiers
+	polling      bool          // it services them at all (tier_poll_interval > 0 and a polled tier)
+	clock        clock         // the poll goroutine's timer, the manager's only one
+	events       eventHub      // S2.8; its own lock, taken after mu
 
 	mu struct {
 		sync.Mutex
@@ -46,8 +48,8 @@ type Manager struct {
 		counters  counters
 		panicLogs []failureLog // per secondary tier, rate-limits panic logs (S2.11)
 
-		deadlineTimer *time.Timer // fires at deadlineAt, the nearest HitPending or Retry deadline
-		deadlineAt    time.Time
+		deadlineAt time.Time // the nearest HitPending or Retry deadline the clock was asked for
+		reset      *resetWait
 	}
 }
 
@@ -86,7 +88,7 @@ func New(cfg Config, specs ...TierSpec) (*Manager, error) {
 		log = slog.New(slog.DiscardHandler)
 	}
 	m := &Manager{cfg: cfg, log: log, blockBytes: cfg.Geometry.BlockBytes(), specs: slices.Clone(specs),
-		progress: make(chan struct{}, 1), wake: make(chan struct{}, 1), stop: make(chan struct{}),
+		progress: make(chan struct{}, 1), wake: make(chan struct{}, 1), stop: make(chan struct{}), clock: newClock(),
 		pollInterval: time.Duration(cfg.TierPollInterval), hitTimeout: time.Duration(cfg.HitPendingTimeout)}
 	for i, s := range specs {
 		if s.Name == "" || s.New == nil {
@@ -123,11 +125,11 @@ func New(cfg Config, specs ...TierSpec) (*Manager, error) {
 	m.mu.reqs = make(map[string]*reqState)
 	m.mu.counters = newCounters(len(specs))
 	m.mu.panicLogs = make([]failureLog, len(specs))
-	polling := m.pollInterval > 0 && slices.ContainsFunc(specs, func(s TierSpec) bool { return s.Polled })
-	m.pollAlive.Store(polling)
+	m.polling = m.pollInterval > 0 && slices.ContainsFunc(specs, func(s TierSpec) bool { return s.Polled })
+	m.pollAlive.Store(m.polling)
 	for i, s := range specs {
 		var t Tier
-		env := TierEnv{Index: i, Wake: m.wakeFor(i), Progress: m.signalProgress, Emit: m.emitter(s.Name),
+		env := TierEnv{Index: i, Wake: m.wakeFor(i), WakeAt: m.tierWakeAt, Progress: m.signalProgress, Emit: m.emitter(s.Name),
 			Arena: arena, Logger: log.With("tier", s.Name)}
 		if perr := m.tierCall(i, "new", func() { t, err = s.New(env) }); perr != nil {
 			err = perr
@@ -139,10 +141,8 @@ func New(cfg Config, specs ...TierSpec) (*Manager, error) {
 		}
 		m.mu.tiers = append(m.mu.tiers, t)
 	}
-	if polling {
-		m.pollDone = make(chan struct{})
-		go m.pollLoop()
-	}
+	m.pollDone = make(chan struct{})
+	go m.pollLoop() // stopped by Close
 	return m, nil
 }
 
@@ -770,7 +770,9 @@ func (s *Step) OnScheduleEnd() {
 	if m.mu.closed {
 		return
 	}
-	m.serviceLocked()
+	if _, err := m.serviceLocked(nil); err != nil && !errors.Is(err, ErrTierPanic) {
+		m.log.Warn("offload: servicing the tiers at the step's end failed", "err", err) // panics are logged where they are recovered
+	}
 	for i, t := range m.mu.tiers {
 		if e, ok := t.(StepEnder); ok {
 			m.tierCall(i, "schedule end", e.OnScheduleEnd)
@@ -778,20 +780,34 @@ func (s *Step) OnScheduleEnd() {
 	}
 }
 
-// serviceLocked is one pass over the tiers: results, peer requests,
-// promotions and parked cascades.
-func (m *Manager) serviceLocked() {
-	m.collectLocked(nil)
+// serviceLocked is the one service pass, of the step's end and of the poll
+// goroutine (issue 13): the tiers' results, their outside requests, the
+// results those caused, the promotions queued meanwhile (S2.2), the
+// parked cascades; it reports whether a tier still has pending work
+// (Pender). only picks the tiers (nil: every tier); the queued promotions
+// and parked cascades are the manager's and always flushed. The error
+// joins the tiers' errors, each panic among them (S2.11).
+func (m *Manager) serviceLocked(only func(tier int) bool) (again bool, err error) {
+	pick := func(i int) bool { return only == nil || only(i) }
+	errs := []error{m.collectLocked(only)}
 	for i, t := range m.mu.tiers {
-		if srv, ok := t.(Server); ok {
-			if err := m.serveLocked(i, srv); err != nil {
-				m.log.Warn("offload: tier failed serving", "tier", m.specs[i].Name, "err", err)
+		if srv, ok := t.(Server); ok && pick(i) {
+			if e := m.serveLocked(i, srv); e != nil {
+				errs = append(errs, fmt.Errorf("tier %d (%s): %w", i, m.specs[i].Name, e))
 			}
 		}
 	}
-	m.collectLocked(nil)
+	errs = append(errs, m.collectLocked(only))
 	m.flushPromotionsLocked()
 	m.flushParkedLocked()
+	for i, t := range m.mu.tiers {
+		if p, ok := t.(Pender); ok && pick(i) {
+			pending, e := m.pendingLocked(i, p)
+			again = again || pending
+			errs = append(errs, e)
+		}
+	}
+	return again, errors.Join(errs...)
 }
 
 // serveLocked lets tier i serve outside requests; a panic is its error
@@ -966,16 +982,11 @@ func (m *Manager) Close() error {
 		return nil
 	}
 	m.mu.closed = true
-	if m.mu.deadlineTimer != nil {
-		m.mu.deadlineTimer.Stop()
-	}
 	m.mu.Unlock()
 	// Stop the poll goroutine before any tier closes (it may be waiting
 	// for the lock, so it is joined without holding it).
 	close(m.stop)
-	if m.pollDone != nil {
-		<-m.pollDone
-	}
+	<-m.pollDone
 	m.closeEvents()
 	m.mu.Lock()
 	defer m.mu.Unlock()

@@ -178,7 +178,7 @@ func (m *Manager) Metrics() Metrics {
 // pollState says whether the poll goroutine runs.
 func (m *Manager) pollState() string {
 	switch {
-	case m.pollDone == nil:
+	case !m.polling:
 		return "disabled"
 	case m.pollAlive.Load():
 		return "running"

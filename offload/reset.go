@@ -20,8 +20,9 @@ const resetWarnAfter = 5 * time.Second
 //     outside requests release them.
 //  2. Without the lock it waits until every tier's in-flight transfers
 //     have ended. They complete normally (the poll goroutine or steps apply
-//     them; this wait applies them too); none is aborted. It warns after
-//     5 s and keeps waiting until ctx ends.
+//     them; the poll goroutine collects every tier's results for this
+//     wait); none is aborted. It warns after 5 s and keeps waiting until
+//     ctx ends.
 //  3. Under the lock it empties the CPU tier (one EventCleared), queued
 //     promotions, parked cascades and HitPending deadlines, bumps the cache
 //     epoch and leaves resetting.
@@ -46,36 +47,20 @@ func (m *Manager) ResetCache(ctx context.Context) error {
 			m.tierCall(i, "reset", r.OnReset)
 		}
 	}
+	// Phase 2 is the poll goroutine's: it collects every tier's results
+	// until none is in flight (resetWaitLocked).
+	w := &resetWait{start: time.Now(), drained: make(chan struct{})}
+	m.mu.reset = w
 	m.unlock()
-
-	start := time.Now()
-	every := m.pollInterval
-	if every <= 0 {
-		every = time.Millisecond
-	}
-	tick := time.NewTicker(every)
-	defer tick.Stop()
-	warned := false
-wait:
-	for {
+	m.wakeAt(w.start)
+	select {
+	case <-w.drained:
+	case <-ctx.Done():
 		m.mu.Lock()
-		m.collectLocked(nil)
 		inFlight := len(m.mu.jobs)
 		m.unlock()
-		if inFlight == 0 {
-			break
-		}
-		if !warned && time.Since(start) >= resetWarnAfter {
-			m.log.Warn("offload: cache reset still waiting for transfers", "in_flight", inFlight, "waited", time.Since(start))
-			warned = true
-		}
-		select {
-		case <-ctx.Done():
-			m.log.Warn("offload: cache reset proceeding with transfers in flight; their slots stay detached until they end",
-				"in_flight", inFlight, "err", context.Cause(ctx))
-			break wait
-		case <-tick.C:
-		}
+		m.log.Warn("offload: cache reset proceeding with transfers in flight; their slots stay detached until they end",
+			"in_flight", inFlight, "err", context.Cause(ctx))
 	}
 
 	m.mu.Lock()
@@ -97,8 +82,51 @@ wait:
 	m.mu.epoch++
 	m.emit(Event{Kind: EventCleared, Tier: "cpu", Epoch: m.mu.epoch}) // S2.8
 	m.mu.admission.Reset()
-	m.mu.resetting = false
+	m.mu.resetting, m.mu.reset = false, nil
 	m.mu.counters.resets++
 	m.signalProgress()
 	return nil
+}
+
+// resetWait is a cache reset's phase 2, driven by the poll goroutine.
+type resetWait struct {
+	start   time.Time
+	warned  bool
+	drained chan struct{} // closed when no transfer is in flight
+}
+
+// resetWaitLocked, in the poll goroutine's pass, collects every tier's
+// results (polled or not: the engine may be paused) while a reset waits
+// for transfers in flight; it closes drained once none is, and otherwise
+// asks the clock to come back after tier_poll_interval (1 ms if that is
+// not positive).
+func (m *Manager) resetWaitLocked(now time.Time) {
+	w := m.mu.reset
+	if w == nil || isClosed(w.drained) {
+		return
+	}
+	m.collectLocked(nil)
+	inFlight := len(m.mu.jobs)
+	if inFlight == 0 {
+		close(w.drained)
+		return
+	}
+	if !w.warned && now.Sub(w.start) >= resetWarnAfter {
+		m.log.Warn("offload: cache reset still waiting for transfers", "in_flight", inFlight, "waited", now.Sub(w.start))
+		w.warned = true
+	}
+	every := m.pollInterval
+	if every <= 0 {
+		every = time.Millisecond
+	}
+	m.wakeAt(now.Add(every))
+}
+
+func isClosed(c chan struct{}) bool {
+	select {
+	case <-c:
+		return true
+	default:
+		return false
+	}
 }

@@ -216,6 +216,13 @@ type TierEnv struct {
 	// Wake tells the manager that the tier has results or requests to
 	// service. It never blocks and may be called from any goroutine.
 	Wake func()
+	// WakeAt asks for a servicing pass no later than t, for the tier's
+	// own deadlines: the manager's poll goroutine holds the only timer
+	// (issue 13), and every pass asks the tier again (Serve), so a tier
+	// asks for its next deadline each time. A tier that the poll goroutine
+	// does not service is stepped instead (progress). It never blocks and
+	// may be called from any goroutine, holding any lock.
+	WakeAt func(t time.Time)
 	// Progress tells the engine that a lookup answer of this tier may have
 	// changed (S2.10), for example when a peer answered; it never blocks.
 	Progress func()

@@ -58,8 +58,7 @@ type Tier struct {
 	byAddr   map[string]*session
 	results  []offload.JobResult
 	owed     []*offload.Request // outside requests owed OnRequestFinished
-	timer    *time.Timer
-	timerAt  time.Time
+	timerAt  time.Time          // the pass last asked of the manager's clock (arm)
 	closed   bool
 	st       stats
 	round    uint64              // the last consumer round (nextRound)
@@ -652,28 +651,21 @@ func (t *Tier) Serve(p offload.Parent) error {
 	return nil
 }
 
-// armBy makes sure the timer wakes the poll goroutine by d, without a
-// poll pass now (a wake per lookup was a wasted hop on the round trip).
+// armBy makes sure the manager's clock brings a pass by d, without a
+// pass now (a wake per lookup was a wasted hop on the round trip).
 func (t *Tier) armBy(d time.Time) {
 	if t.timerAt.IsZero() || d.Before(t.timerAt) {
 		t.arm(d)
 	}
 }
 
-// arm makes the timer wake the poll goroutine at d (zero: disarm).
+// arm asks the manager's clock (the poll goroutine's timer, the only one:
+// issue 13) for a pass at d; zero asks nothing. Serve asks again for its
+// next deadline every pass.
 func (t *Tier) arm(d time.Time) {
-	if t.timer == nil {
-		t.timer = time.AfterFunc(time.Hour, t.env.Wake)
-		t.timer.Stop()
-	}
-	if d.IsZero() {
-		t.timer.Stop()
-		t.timerAt = time.Time{}
-		return
-	}
-	if !d.Equal(t.timerAt) {
-		t.timerAt = d
-		t.timer.Reset(time.Until(d))
+	t.timerAt = d
+	if !d.IsZero() {
+		t.env.WakeAt(d)
 	}
 }
 
@@ -733,9 +725,6 @@ func (t *Tier) Close() error {
 	for s := range t.sessions {
 		t.send(s, wire.Disconnect{Code: wire.CodeShutdown, Reason: "shutting down"})
 		t.kill(s, "")
-	}
-	if t.timer != nil {
-		t.timer.Stop()
 	}
 	err := t.dp.Close()
 	t.wg.Wait()

@@ -4,6 +4,7 @@ package deps
 
 import (
 	"bufio"
+	"go/ast"
 	"go/parser"
 	"go/token"
 	"io/fs"
@@ -114,5 +115,45 @@ func TestOutsideModules(t *testing.T) {
 	slices.Sort(got)
 	if !slices.Equal(got, want) {
 		t.Errorf("vendor/modules.txt lists outside modules %v, want exactly %v", got, want)
+	}
+}
+
+// TestOneClock (issue 13): in offload's code only the poll goroutine
+// (poll.go) makes a timer; everything else asks it for a time (wakeAt,
+// TierEnv.WakeAt). A second timer would again take the manager lock on a
+// goroutine of its own.
+func TestOneClock(t *testing.T) {
+	timers := []string{"AfterFunc", "NewTimer", "NewTicker", "After", "Tick"}
+	dir := filepath.Join(root(t), "offload")
+	found := 0
+	err := filepath.WalkDir(dir, func(path string, d fs.DirEntry, err error) error {
+		if err != nil || d.IsDir() || !strings.HasSuffix(path, ".go") || strings.HasSuffix(path, "_test.go") {
+			return err
+		}
+		fset := token.NewFileSet()
+		f, err := parser.ParseFile(fset, path, nil, 0)
+		if err != nil {
+			return err
+		}
+		ast.Inspect(f, func(n ast.Node) bool {
+			sel, ok := n.(*ast.SelectorExpr)
+			if !ok {
+				return true
+			}
+			if pkg, ok := sel.X.(*ast.Ident); ok && pkg.Name == "time" && slices.Contains(timers, sel.Sel.Name) {
+				found++
+				if filepath.Base(path) != "poll.go" {
+					t.Errorf("%s: time.%s: only the poll goroutine (offload/poll.go) makes timers; ask its clock (wakeAt)", fset.Position(sel.Pos()), sel.Sel.Name)
+				}
+			}
+			return true
+		})
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if found == 0 {
+		t.Error("no timer found in offload at all: the poll goroutine's clock is gone, or this test no longer sees it")
 	}
 }

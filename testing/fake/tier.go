@@ -198,6 +198,15 @@ func (t *Tier) Wake() {
 	t.wakeLocked()
 }
 
+// WakeAt asks the manager's clock for a service by at, as a tier with a
+// timeout of its own does (TierEnv.WakeAt).
+func (t *Tier) WakeAt(at time.Time) {
+	t.mu.Lock()
+	wakeAt := t.env.WakeAt
+	t.mu.Unlock()
+	wakeAt(at)
+}
+
 func (t *Tier) wakeLocked() {
 	if t.env.Wake != nil {
 		t.env.Wake()

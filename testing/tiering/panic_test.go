@@ -38,6 +38,7 @@ func TestTierPanics(t *testing.T) {
 					}, tier.Spec("t0"))
 					tier.PanicIn(method)
 					exercise(t, h, tier, 1, false)
+					synctest.Wait()       // the poll goroutine's retry at the reset's deadline too
 					snap := h.m.Metrics() // with Stats panicking, this counts one more
 					panics := snap.Tiers[1].Panics
 					if panics == 0 {
