@@ -12,8 +12,9 @@
 //	s.OnScheduleEnd() // ends the step and releases the lock
 //
 // Calls made outside a step (an executor reporting that a copy finished)
-// take the lock through Do. Tiers never take the lock: they queue results
-// and call the Wake function they were given. SEMANTICS.md in the project's
+// take the lock through Do, which is a step too and ends like one. Tiers
+// never take the lock: they queue results and call the Wake function they
+// were given; none runs a timer (TierEnv.WakeAt asks the poll goroutine's). SEMANTICS.md in the project's
 // shared documents is the behavioural contract; its rule numbers (S2.4 …)
 // are cited in comments and tests.
 package offload

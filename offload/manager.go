@@ -203,18 +203,15 @@ func (m *Manager) Begin() *Step {
 	return s
 }
 
-// Do runs fn with the manager lock held, for calls outside an engine step
-// (an executor reporting a finished copy, an abort). Promotions that fn
-// queues are submitted when it returns.
+// Do runs fn as one step outside the engine's scheduling phase (an
+// executor reporting a finished copy, an abort, an admin call): Begin, fn,
+// OnScheduleEnd. It ends like every step (issue 13): the service pass,
+// the promotions fn queued, the tiers' step-end hooks (a P2P lookup
+// registered in fn is asked when Do returns).
 func (m *Manager) Do(fn func(s *Step)) {
-	m.mu.Lock()
-	defer m.unlock()
-	s := &Step{m: m}
-	defer func() { s.ended = true }()
+	s := m.Begin()
+	defer s.OnScheduleEnd()
 	fn(s)
-	if !m.mu.closed {
-		m.flushPromotionsLocked()
-	}
 }
 
 // unlock releases the manager lock; the hits answered under it are no
