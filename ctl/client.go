@@ -1,5 +1,6 @@
 // Package ctl is the client side of p2pd's admin API: kvctl's commands.
-// It uses the standard library only and imports no other kvtier module.
+// Besides the standard library it imports only p2pd/api, the API's
+// request and answer types.
 package ctl
 
 import (
@@ -12,6 +13,8 @@ import (
 	"net/url"
 	"strings"
 	"time"
+
+	"github.com/kvtier/kvtier/p2pd/api"
 )
 
 // Client talks to one p2pd's admin API.
@@ -86,79 +89,16 @@ func (c *Client) Do(ctx context.Context, method, path string, q url.Values, body
 	return json.Unmarshal(data, out)
 }
 
-// Result is p2pd's answer to POST /v0/requests.
-type Result struct {
-	RequestID string `json:"request_id"`
-	Blocks    int    `json:"blocks"`
-	Sources   struct {
-		CPU      int `json:"cpu"`
-		Disk     int `json:"disk"`
-		Peer     int `json:"peer"`
-		Computed int `json:"computed"`
-	} `json:"sources"`
-	KVDigest  string  `json:"kv_digest"`
-	ElapsedMS float64 `json:"elapsed_ms"`
-}
-
-// Peers is p2pd's GET /v0/peers.
-type Peers struct {
-	Node  string `json:"node"`
-	P2P   string `json:"p2p"`
-	Peers []struct {
-		Node     string `json:"node"`
-		Addr     string `json:"addr"`
-		Ready    bool   `json:"ready"`
-		Dialed   bool   `json:"dialed"`
-		Requests int    `json:"requests"`
-		Rounds   int    `json:"rounds"`
-	} `json:"peers"`
-}
-
-// Status is p2pd's GET /v0/status.
-type Status struct {
-	Node     string `json:"node"`
-	State    string `json:"state"`
-	Requests struct {
-		Running int `json:"running"`
-		Waiting int `json:"waiting"`
-	} `json:"requests"`
-	CPUTier struct {
-		Slots  int `json:"slots"`
-		Used   int `json:"used"`
-		Pinned int `json:"pinned"`
-	} `json:"cpu_tier"`
-	Peers          int    `json:"peers"`
-	HasPendingWork bool   `json:"has_pending_work"`
-	Poll           string `json:"poll"`
-	P2P            string `json:"p2p"`
-	// P2PAuth is "token", "tls", "token+tls" or "none" (the P2P port is
-	// unauthenticated).
-	P2PAuth string `json:"p2p_auth"`
-	// P2PHealth is the P2P port's accept loop.
-	P2PHealth P2PHealth `json:"p2p_health"`
-	Copies    string    `json:"copies"`
-}
-
-// P2PHealth mirrors p2p.Health: OK unless the P2P accept loop stopped or
-// failed in the last 10 s.
-type P2PHealth struct {
-	OK              bool      `json:"ok"`
-	Accepting       bool      `json:"accepting"`
-	AcceptErrors    uint64    `json:"accept_errors"`
-	LastAcceptError string    `json:"last_accept_error,omitempty"`
-	LastErrorAt     time.Time `json:"last_accept_error_at,omitzero"`
-}
-
 // Status fetches the node's status.
-func (c *Client) Status(ctx context.Context) (Status, error) {
-	var s Status
+func (c *Client) Status(ctx context.Context) (api.Status, error) {
+	var s api.Status
 	err := c.Do(ctx, "GET", "/v0/status", nil, nil, &s)
 	return s, err
 }
 
 // Wait polls status every interval until done(status) or ctx ends,
 // calling progress with each status.
-func (c *Client) Wait(ctx context.Context, every time.Duration, done func(Status) bool, progress func(Status)) error {
+func (c *Client) Wait(ctx context.Context, every time.Duration, done func(api.Status) bool, progress func(api.Status)) error {
 	t := time.NewTicker(every)
 	defer t.Stop()
 	for {

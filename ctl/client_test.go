@@ -9,6 +9,8 @@ import (
 	"path/filepath"
 	"testing"
 	"time"
+
+	"github.com/kvtier/kvtier/p2pd/api"
 )
 
 // The client talks HTTP over a unix socket, decodes JSON answers and turns
@@ -46,7 +48,7 @@ func TestClient(t *testing.T) {
 		t.Errorf("pause error %v, want an APIError 504 with the server's message", err)
 	}
 	calls := 0
-	err = c.Wait(ctx, time.Millisecond, func(s Status) bool { calls++; return calls == 3 }, nil)
+	err = c.Wait(ctx, time.Millisecond, func(s api.Status) bool { calls++; return calls == 3 }, nil)
 	if err != nil || calls != 3 {
 		t.Errorf("Wait: %v after %d polls", err, calls)
 	}

@@ -24,6 +24,7 @@ import (
 
 	"github.com/kvtier/kvtier/cudakv"
 	"github.com/kvtier/kvtier/offload"
+	"github.com/kvtier/kvtier/p2pd/api"
 )
 
 // Errors a request or a command can end with.
@@ -77,23 +78,6 @@ const (
 
 // ErrBadDigest is an unknown Request.Digest.
 var ErrBadDigest = errors.New("engine: kv_digest: want sha256, crc32c or none")
-
-// Sources counts where a request's blocks came from.
-type Sources struct {
-	CPU      int `json:"cpu"`
-	Disk     int `json:"disk"`
-	Peer     int `json:"peer"`
-	Computed int `json:"computed"`
-}
-
-// Result answers a request once its prefill is done.
-type Result struct {
-	RequestID string  `json:"request_id"`
-	Blocks    int     `json:"blocks"`
-	Sources   Sources `json:"sources"`
-	KVDigest  string  `json:"kv_digest"`
-	ElapsedMS float64 `json:"elapsed_ms"`
-}
 
 // Config configures an Engine.
 type Config struct {
@@ -151,7 +135,7 @@ type job struct {
 	start   time.Time
 	phase   int
 	hits    int
-	src     Sources
+	src     api.Sources
 	slots   []int32
 	plan    *offload.StorePlan
 	ticket  *cudakv.Ticket
@@ -161,7 +145,7 @@ type job struct {
 }
 
 type jobReply struct {
-	res Result
+	res api.Result
 	err error
 }
 
@@ -231,31 +215,31 @@ func (e *Engine) Counts() (running, waiting int) {
 }
 
 // Submit runs a request and waits for its prefill, or ctx.
-func (e *Engine) Submit(ctx context.Context, r Request) (Result, error) {
+func (e *Engine) Submit(ctx context.Context, r Request) (api.Result, error) {
 	if e.State() == ShuttingDown {
-		return Result{}, ErrShuttingDown
+		return api.Result{}, ErrShuttingDown
 	}
 	switch r.Digest {
 	case "":
 		r.Digest = DigestSHA256
 	case DigestSHA256, DigestCRC32C, DigestNone:
 	default:
-		return Result{}, fmt.Errorf("%w, not %q", ErrBadDigest, r.Digest)
+		return api.Result{}, fmt.Errorf("%w, not %q", ErrBadDigest, r.Digest)
 	}
 	reply := make(chan jobReply, 1)
 	j := &job{r: r, reply: reply}
 	select {
 	case e.inbox <- j:
 	case <-e.done:
-		return Result{}, ErrShuttingDown
+		return api.Result{}, ErrShuttingDown
 	case <-ctx.Done():
-		return Result{}, ctx.Err()
+		return api.Result{}, ctx.Err()
 	}
 	select {
 	case rep := <-reply:
 		return rep.res, rep.err
 	case <-ctx.Done():
-		return Result{}, ctx.Err()
+		return api.Result{}, ctx.Err()
 	}
 }
 

@@ -14,6 +14,7 @@ import (
 	"github.com/kvtier/kvtier/cudakv"
 	"github.com/kvtier/kvtier/offload"
 	"github.com/kvtier/kvtier/offload/crc32c"
+	"github.com/kvtier/kvtier/p2pd/api"
 )
 
 func newEngine(t *testing.T, slots, gpu int) (*Engine, *offload.Manager) {
@@ -157,7 +158,7 @@ func TestStoredBlocksKeepChecksums(t *testing.T) {
 func TestDigestKinds(t *testing.T) {
 	e, _ := newEngine(t, 64, 32)
 	ctx := context.Background()
-	run := func(id string, seed int, kind string) Result {
+	run := func(id string, seed int, kind string) api.Result {
 		t.Helper()
 		r, err := e.Submit(ctx, Request{ID: id, Tokens: tokens(seed, 16*4), Digest: kind})
 		if err != nil {

@@ -12,6 +12,7 @@ import (
 	"github.com/kvtier/kvtier/cudakv"
 	"github.com/kvtier/kvtier/offload"
 	"github.com/kvtier/kvtier/offload/crc32c"
+	"github.com/kvtier/kvtier/p2pd/api"
 )
 
 // Run is the scheduler loop; it returns after Shutdown.
@@ -510,7 +511,7 @@ func (e *Engine) copied(j *job, err error) {
 // it is done, so the engine loop goes on scheduling meanwhile.
 func (e *Engine) answer(j *job) {
 	elapsed := time.Since(j.start) // the prefill is done; the digest is extra
-	res := Result{RequestID: j.r.ID, Blocks: len(j.keys), Sources: j.src, ElapsedMS: float64(elapsed.Microseconds()) / 1000}
+	res := api.Result{RequestID: j.r.ID, Blocks: len(j.keys), Sources: j.src, ElapsedMS: float64(elapsed.Microseconds()) / 1000}
 	e.m.Do(func(s *offload.Step) { s.OnRequestFinished(j.req) })
 	reply, kind := j.reply, j.r.Digest
 	j.reply, j.req = nil, nil

@@ -19,6 +19,7 @@ import (
 	"time"
 
 	"github.com/kvtier/kvtier/offload"
+	"github.com/kvtier/kvtier/p2pd/api"
 	"github.com/kvtier/kvtier/p2pd/engine"
 	"github.com/kvtier/kvtier/p2pd/p2p"
 )
@@ -200,7 +201,7 @@ func reply(w http.ResponseWriter, code int, v any) {
 }
 
 func fail(w http.ResponseWriter, code int, format string, args ...any) {
-	reply(w, code, map[string]string{"error": fmt.Sprintf(format, args...)})
+	reply(w, code, api.Error{Error: fmt.Sprintf(format, args...)})
 }
 
 // params parses the query, rejecting unknown names.
@@ -248,7 +249,7 @@ func (n *Node) pause(w http.ResponseWriter, r *http.Request) {
 	start := time.Now()
 	switch err := n.Eng.Pause(mode, clearCache, timeout); {
 	case err == nil:
-		reply(w, 200, map[string]any{"state": n.Eng.State().String(), "elapsed_ms": ms(time.Since(start))})
+		reply(w, 200, api.Paused{State: n.Eng.State().String(), ElapsedMS: ms(time.Since(start))})
 	case errors.Is(err, engine.ErrPauseTimeout):
 		fail(w, 504, "%v", err)
 	case errors.Is(err, engine.ErrBadState), errors.Is(err, engine.ErrShuttingDown):
@@ -275,32 +276,7 @@ func (n *Node) resume(w http.ResponseWriter, r *http.Request) {
 		fail(w, 409, "%v", err)
 		return
 	}
-	reply(w, 200, map[string]string{"state": n.Eng.State().String()})
-}
-
-// Status is GET /v0/status.
-type Status struct {
-	Node     string `json:"node"`
-	State    string `json:"state"`
-	Requests struct {
-		Running int `json:"running"`
-		Waiting int `json:"waiting"`
-	} `json:"requests"`
-	CPUTier struct {
-		Slots  int `json:"slots"`
-		Used   int `json:"used"`
-		Pinned int `json:"pinned"`
-	} `json:"cpu_tier"`
-	Peers          int    `json:"peers"`
-	HasPendingWork bool   `json:"has_pending_work"`
-	Poll           string `json:"poll"`
-	P2P            string `json:"p2p"`
-	// P2PAuth is how peers on the P2P port are authenticated: "token"
-	// (cluster_token_file) or "none" (anyone who reaches the port).
-	P2PAuth string `json:"p2p_auth"`
-	// P2PHealth is the P2P port's accept loop (p2p.Health).
-	P2PHealth p2p.Health `json:"p2p_health"`
-	Copies    string     `json:"copies"`
+	reply(w, 200, api.State{State: n.Eng.State().String()})
 }
 
 // health is GET /v0/health: 200 while the node serves, 503 when its P2P
@@ -312,11 +288,11 @@ func (n *Node) health(w http.ResponseWriter, r *http.Request) {
 	if !h.OK {
 		code = 503
 	}
-	reply(w, code, map[string]any{"ok": h.OK, "p2p": h})
+	reply(w, code, api.HealthAnswer{OK: h.OK, P2P: h})
 }
 
 func (n *Node) status(w http.ResponseWriter, r *http.Request) {
-	var s Status
+	var s api.Status
 	s.Node, s.State, s.P2P, s.Copies = n.P2P.NodeID(), n.Eng.State().String(), n.P2P.Addr(), n.Eng.Backend()
 	s.Requests.Running, s.Requests.Waiting = n.Eng.Counts()
 	m := n.M.Metrics()
@@ -332,18 +308,11 @@ func (n *Node) status(w http.ResponseWriter, r *http.Request) {
 	reply(w, 200, s)
 }
 
-// Peers is GET /v0/peers.
-type Peers struct {
-	Node  string         `json:"node"`
-	P2P   string         `json:"p2p"`
-	Peers []p2p.PeerInfo `json:"peers"`
-}
-
 func (n *Node) peers(w http.ResponseWriter, r *http.Request) {
-	ps := Peers{Node: n.P2P.NodeID(), P2P: n.P2P.Addr()}
+	ps := api.Peers{Node: n.P2P.NodeID(), P2P: n.P2P.Addr()}
 	n.M.Do(func(*offload.Step) { ps.Peers = n.P2P.Peers() })
 	if ps.Peers == nil {
-		ps.Peers = []p2p.PeerInfo{}
+		ps.Peers = []api.PeerInfo{}
 	}
 	reply(w, 200, ps)
 }
@@ -359,8 +328,7 @@ func (n *Node) scrub(w http.ResponseWriter, r *http.Request) {
 		fail(w, 503, "scrub stopped after %d blocks: %v", res.Checked, err)
 		return
 	}
-	reply(w, 200, map[string]any{"checked": res.Checked, "mismatched": res.Mismatched, "unrecorded": res.Unrecorded,
-		"elapsed_ms": ms(time.Since(start))})
+	reply(w, 200, api.Scrub{Checked: res.Checked, Mismatched: res.Mismatched, Unrecorded: res.Unrecorded, ElapsedMS: ms(time.Since(start))})
 }
 
 func (n *Node) resetCache(w http.ResponseWriter, r *http.Request) {
@@ -371,7 +339,7 @@ func (n *Node) resetCache(w http.ResponseWriter, r *http.Request) {
 		fail(w, 409, "%v", err)
 		return
 	}
-	reply(w, 200, map[string]any{"reset": true, "elapsed_ms": ms(time.Since(start))})
+	reply(w, 200, api.Reset{Reset: true, ElapsedMS: ms(time.Since(start))})
 }
 
 func (n *Node) shutdown(w http.ResponseWriter, r *http.Request) {
@@ -392,7 +360,7 @@ func (n *Node) shutdown(w http.ResponseWriter, r *http.Request) {
 	case n.stop <- grace:
 	default:
 	}
-	reply(w, 200, map[string]string{"state": "shutting_down"})
+	reply(w, 200, api.State{State: "shutting_down"})
 }
 
 func (n *Node) metrics(w http.ResponseWriter, r *http.Request) {

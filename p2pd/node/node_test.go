@@ -12,13 +12,16 @@ import (
 	"net/http/httptest"
 	"os"
 	"path/filepath"
+	"reflect"
 	"runtime"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/kvtier/kvtier/offload"
+	"github.com/kvtier/kvtier/p2pd/api"
 )
 
 // syncBuffer is a log sink safe for the node's goroutines.
@@ -82,7 +85,7 @@ func noLeak(t *testing.T) {
 }
 
 // status asks the admin socket at path for GET /v0/status.
-func status(t *testing.T, path string) (Status, error) {
+func status(t *testing.T, path string) (api.Status, error) {
 	t.Helper()
 	tr := &http.Transport{DisableKeepAlives: true, DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
 		return (&net.Dialer{}).DialContext(ctx, "unix", path)
@@ -90,10 +93,10 @@ func status(t *testing.T, path string) (Status, error) {
 	defer tr.CloseIdleConnections()
 	resp, err := (&http.Client{Transport: tr, Timeout: 10 * time.Second}).Get("http://p2pd/v0/status")
 	if err != nil {
-		return Status{}, err
+		return api.Status{}, err
 	}
 	defer resp.Body.Close()
-	var s Status
+	var s api.Status
 	return s, json.NewDecoder(resp.Body).Decode(&s)
 }
 
@@ -343,4 +346,37 @@ func FuzzTokenIDs(f *testing.F) {
 			t.Fatalf("%q refused (%v); encoding/json: %v", in, err, std.P)
 		}
 	})
+}
+
+// The body clients send (api.Request) and the one the daemon decodes with
+// its bounds (requestBody) name the same fields: a field renamed on one
+// side only would be refused as unknown, or silently dropped.
+func TestRequestBodyAgrees(t *testing.T) {
+	names := func(v any) []string {
+		var out []string
+		rt := reflect.TypeOf(v)
+		for i := range rt.NumField() {
+			name, _, _ := strings.Cut(rt.Field(i).Tag.Get("json"), ",")
+			out = append(out, name)
+		}
+		slices.Sort(out)
+		return out
+	}
+	if got, want := names(requestBody{}), names(api.Request{}); !slices.Equal(got, want) {
+		t.Errorf("the daemon decodes %v, clients send %v", got, want)
+	}
+	// And a body a client builds decodes.
+	seed := uint64(7)
+	b, err := json.Marshal(api.Request{RequestID: "r", Seed: &seed, Tokens: 32, Digest: "crc32c",
+		TransferParams: map[string]any{"remote_kv_source": map[string]any{"kv_request_id": "x", "remote_host": "127.0.0.1", "remote_port": "1"}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var rb requestBody
+	rb.PromptTokenIDs.max, rb.TransferParams.max = 16, 1<<10
+	dec := json.NewDecoder(bytes.NewReader(b))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&rb); err != nil || rb.RequestID != "r" || *rb.Seed != 7 || rb.Tokens != 32 || rb.Digest != "crc32c" || rb.TransferParams.m == nil {
+		t.Errorf("decoding %s: %+v, %v", b, rb, err)
+	}
 }

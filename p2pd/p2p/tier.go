@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/kvtier/kvtier/offload"
+	"github.com/kvtier/kvtier/p2pd/api"
 	"github.com/kvtier/kvtier/p2pd/wire"
 )
 
@@ -308,22 +309,12 @@ func New(cfg Config, node offload.Config, n Network, env offload.TierEnv) (*Tier
 	return t, nil
 }
 
-// Health is the P2P port's state, for the daemon's status and health
-// check: OK unless the accept loop stopped or failed in the last 10 s.
-type Health struct {
-	OK              bool      `json:"ok"`
-	Accepting       bool      `json:"accepting"`
-	AcceptErrors    uint64    `json:"accept_errors"`
-	LastAcceptError string    `json:"last_accept_error,omitempty"`
-	LastErrorAt     time.Time `json:"last_accept_error_at,omitzero"`
-}
-
 // Health reports the P2P port's state; it needs no lock.
-func (t *Tier) Health() Health {
+func (t *Tier) Health() api.Health {
 	a := &t.accept
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	h := Health{Accepting: !a.stopped, AcceptErrors: a.errors.Load(), LastAcceptError: a.last, LastErrorAt: a.lastAt}
+	h := api.Health{Accepting: !a.stopped, AcceptErrors: a.errors.Load(), LastAcceptError: a.last, LastErrorAt: a.lastAt}
 	h.OK = h.Accepting && (a.lastAt.IsZero() || time.Since(a.lastAt) > 10*time.Second)
 	return h
 }
@@ -791,22 +782,12 @@ func (t *Tier) Stats() []offload.Stat {
 }
 
 // Peers describes the sessions, for the daemon's status.
-func (t *Tier) Peers() []PeerInfo {
-	var out []PeerInfo
+func (t *Tier) Peers() []api.PeerInfo {
+	var out []api.PeerInfo
 	for s := range t.sessions {
-		out = append(out, PeerInfo{Node: s.peer, Addr: s.peerAddr, Ready: s.ready, Dialed: s.dialed, Requests: len(s.creqs), Rounds: len(s.rounds)})
+		out = append(out, api.PeerInfo{Node: s.peer, Addr: s.peerAddr, Ready: s.ready, Dialed: s.dialed, Requests: len(s.creqs), Rounds: len(s.rounds)})
 	}
 	return out
-}
-
-// PeerInfo is one session.
-type PeerInfo struct {
-	Node     string `json:"node"`
-	Addr     string `json:"addr"`
-	Ready    bool   `json:"ready"`
-	Dialed   bool   `json:"dialed"`
-	Requests int    `json:"requests"`
-	Rounds   int    `json:"rounds"`
 }
 
 func toWire(ks []offload.Key) []wire.Key {

@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/kvtier/kvtier/ctl"
+	"github.com/kvtier/kvtier/p2pd/api"
 )
 
 // BlockBytes is a qwen3-0.6b block.
@@ -95,8 +96,8 @@ func Prompt(seed, blocks int, id, peer string) map[string]any {
 }
 
 // Submit runs a request.
-func (p *Proc) Submit(body map[string]any) (ctl.Result, error) {
-	var r ctl.Result
+func (p *Proc) Submit(body map[string]any) (api.Result, error) {
+	var r api.Result
 	err := p.C.Do(context.Background(), "POST", "/v0/requests", nil, body, &r)
 	return r, err
 }

@@ -25,10 +25,14 @@ var allowed = map[string][]string{
 	"offload": {"golang.org/x/sys"},
 	"nixlgo":  {},
 	"cudakv":  {"golang.org/x/sys"},
-	"ctl":     {},
+	"ctl":     {prefix + "p2pd/api"},
 	"p2pd":    {prefix + "offload", prefix + "cudakv", prefix + "nixlgo", "golang.org/x/sys"},
 	"testing": {prefix + "offload", prefix + "cudakv", prefix + "nixlgo", prefix + "p2pd", prefix + "ctl", "golang.org/x/sys", "github.com/google/go-cmp"},
 }
+
+// stdOnly lists packages that import the standard library only, whatever
+// their module allows: p2pd/api is the one package ctl imports.
+var stdOnly = []string{"p2pd/api"}
 
 // cgo lists the modules that may import "C".
 var cgo = []string{"cudakv", "nixlgo"}
@@ -79,7 +83,10 @@ func TestImportDirection(t *testing.T) {
 					if !slices.Contains(cgo, mod) {
 						t.Errorf("%s imports \"C\": only %v may use cgo", rel, cgo)
 					}
-				case p == prefix+mod || strings.HasPrefix(p, prefix+mod+"/"), stdlib(p):
+				case stdlib(p):
+				case slices.Contains(stdOnly, filepath.ToSlash(filepath.Dir(rel))):
+					t.Errorf("%s imports %s: its package may import the standard library only", rel, p)
+				case p == prefix+mod || strings.HasPrefix(p, prefix+mod+"/"):
 				default:
 					if !slices.ContainsFunc(allow, func(a string) bool { return p == a || strings.HasPrefix(p, a+"/") }) {
 						t.Errorf("%s (module %s) imports %s; allowed: the standard library and %v", rel, mod, p, allow)

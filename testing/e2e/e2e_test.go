@@ -21,7 +21,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvtier/kvtier/ctl"
+	"github.com/kvtier/kvtier/p2pd/api"
 )
 
 var bin string // directory of the built p2pd and kvctl
@@ -139,10 +139,10 @@ func (n *node) kvctl(args ...string) (string, int) {
 }
 
 // submit runs a request through kvctl and decodes its JSON answer.
-func (n *node) submit(args ...string) (ctl.Result, string, int) {
+func (n *node) submit(args ...string) (api.Result, string, int) {
 	n.t.Helper()
 	out, code := n.kvctl(append([]string{"submit", "--json"}, args...)...)
-	var r ctl.Result
+	var r api.Result
 	if code == 0 {
 		if err := json.Unmarshal([]byte(out), &r); err != nil {
 			n.t.Fatalf("submit answer %q: %v", out, err)

@@ -22,6 +22,7 @@ import (
 	"time"
 
 	"github.com/kvtier/kvtier/ctl"
+	"github.com/kvtier/kvtier/p2pd/api"
 )
 
 const usage = `usage: kvctl [-admin PATH | -admin-tcp ADDR] COMMAND [flags]
@@ -140,7 +141,7 @@ func run(args []string, out, errw io.Writer) error {
 		// Wait until the node is gone, showing what still runs.
 		wctx, cancel := context.WithTimeout(ctx, *grace+30*time.Second)
 		defer cancel()
-		err := c.Wait(wctx, 100*time.Millisecond, func(ctl.Status) bool { return false }, func(s ctl.Status) {
+		err := c.Wait(wctx, 100*time.Millisecond, func(api.Status) bool { return false }, func(s api.Status) {
 			if interactive {
 				fmt.Fprintf(errw, "\rshutting down: %d requests running   ", s.Requests.Running)
 			}
@@ -158,10 +159,7 @@ func run(args []string, out, errw io.Writer) error {
 		if err := fs.Parse(rest); err != nil {
 			return usageError{err.Error()}
 		}
-		var res struct {
-			Checked, Mismatched, Unrecorded int
-			ElapsedMS                       float64 `json:"elapsed_ms"`
-		}
+		var res api.Scrub
 		if err := c.Do(ctx, "POST", "/v0/scrub", nil, nil, &res); err != nil {
 			return explain(err)
 		}
@@ -195,37 +193,37 @@ func run(args []string, out, errw io.Writer) error {
 		if err := fs.Parse(rest); err != nil {
 			return usageError{err.Error()}
 		}
-		body := map[string]any{}
+		var body api.Request
 		switch {
 		case *file != "" && *seed == "":
 			toks, err := readTokens(*file)
 			if err != nil {
 				return err
 			}
-			body["prompt_token_ids"] = toks
+			body.PromptTokenIDs = toks
 		case *seed != "" && *file == "" && *n > 0:
 			s, err := strconv.ParseUint(*seed, 10, 64)
 			if err != nil {
 				return usageError{"--tokens-seed wants a non-negative integer"}
 			}
-			body["seed"], body["tokens"] = s, *n
+			body.Seed, body.Tokens = &s, *n
 		default:
 			return usageError{"submit wants --tokens-seed S --tokens N, or --tokens-file F"}
 		}
 		if *id != "" {
-			body["request_id"] = *id
+			body.RequestID = *id
 		}
 		if *digest != "" {
-			body["kv_digest"] = *digest
+			body.Digest = *digest
 		}
 		if *src != "" {
 			host, port, err := net.SplitHostPort(*src)
 			if err != nil || *kvID == "" {
 				return usageError{"--remote-kv-source wants host:port, together with --kv-request-id"}
 			}
-			body["kv_transfer_params"] = map[string]any{"remote_kv_source": map[string]any{"kv_request_id": *kvID, "remote_host": host, "remote_port": port}}
+			body.TransferParams = map[string]any{"remote_kv_source": map[string]any{"kv_request_id": *kvID, "remote_host": host, "remote_port": port}}
 		}
-		var res ctl.Result
+		var res api.Result
 		var raw string
 		if err := c.Do(ctx, "POST", "/v0/requests", nil, body, &raw); err != nil {
 			return explain(err)
@@ -252,7 +250,7 @@ func run(args []string, out, errw io.Writer) error {
 		if err := fs.Parse(rest); err != nil {
 			return usageError{err.Error()}
 		}
-		var res ctl.Peers
+		var res api.Peers
 		if err := c.Do(ctx, "GET", "/v0/peers", nil, nil, &res); err != nil {
 			return explain(err)
 		}
@@ -302,7 +300,7 @@ func progress(ctx context.Context, c *ctl.Client, on bool, w io.Writer, what str
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		c.Wait(ctx, 500*time.Millisecond, func(ctl.Status) bool { return false }, func(s ctl.Status) {
+		c.Wait(ctx, 500*time.Millisecond, func(api.Status) bool { return false }, func(s api.Status) {
 			fmt.Fprintf(w, "\r%s: %d running, %d waiting   ", what, s.Requests.Running, s.Requests.Waiting)
 		})
 	}()
@@ -342,7 +340,7 @@ func readTokens(path string) ([]uint32, error) {
 }
 
 // healthText describes the P2P port's accept loop.
-func healthText(h ctl.P2PHealth) string {
+func healthText(h api.Health) string {
 	switch {
 	case !h.Accepting:
 		return "NOT ACCEPTING (the listener closed; restart the node)"

@@ -34,7 +34,7 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/kvtier/kvtier/ctl"
+	"github.com/kvtier/kvtier/p2pd/api"
 	"github.com/kvtier/kvtier/testing/daemon"
 	"github.com/kvtier/kvtier/testing/pki"
 )
@@ -114,7 +114,7 @@ func median(v []float64) float64 {
 // the producer's prompt after resetting its cache.
 type pair struct {
 	prod, cons *daemon.Proc
-	want       ctl.Result
+	want       api.Result
 	blocks     int
 	round      int
 }
@@ -177,16 +177,16 @@ func (p *pair) kill() {
 	p.cons.Kill()
 }
 
-func (p *pair) fetch() (ctl.Result, error) {
+func (p *pair) fetch() (api.Result, error) {
 	r, _, err := p.fetchDigest("")
 	return r, err
 }
 
 // fetchDigest is fetch with a kv_digest kind ("" for the default), also
 // returning the client's wall time for the whole request, digest included.
-func (p *pair) fetchDigest(digest string) (ctl.Result, time.Duration, error) {
+func (p *pair) fetchDigest(digest string) (api.Result, time.Duration, error) {
 	if err := p.cons.C.Do(context.Background(), "POST", "/v0/reset-cache", nil, nil, nil); err != nil {
-		return ctl.Result{}, 0, err
+		return api.Result{}, 0, err
 	}
 	p.round++
 	body := daemon.Prompt(42, p.blocks, fmt.Sprintf("bench-%d", p.round), p.prod.P2P)

@@ -17,7 +17,7 @@ import (
 	"strings"
 	"time"
 
-	"github.com/kvtier/kvtier/ctl"
+	"github.com/kvtier/kvtier/p2pd/api"
 	"github.com/kvtier/kvtier/testing/daemon"
 )
 
@@ -64,7 +64,7 @@ func run(bin string, blocks int) error {
 		return fmt.Errorf("producer prefill: %w", err)
 	}
 	check(computed.Sources.Computed == blocks, "the producer computed every block")
-	fetch := func(id string) (ctl.Result, error) { return cons.Submit(daemon.Prompt(42, blocks, id, prod.P2P)) }
+	fetch := func(id string) (api.Result, error) { return cons.Submit(daemon.Prompt(42, blocks, id, prod.P2P)) }
 	first, err := fetch("demo-1")
 	if err != nil {
 		return fmt.Errorf("consumer fetch: %w", err)
@@ -116,7 +116,7 @@ func run(bin string, blocks int) error {
 
 	// elapsed_ms is the request's prefill (lookup, fetch, CPU → GPU load),
 	// without the digest.
-	gbps := func(r ctl.Result) float64 { return total / (r.ElapsedMS / 1000) / 1e9 }
+	gbps := func(r api.Result) float64 { return total / (r.ElapsedMS / 1000) / 1e9 }
 	fmt.Printf("%-52s %s\n", "check", "result")
 	fmt.Printf("%-52s %s\n", strings.Repeat("-", 52), strings.Repeat("-", 30))
 	row := func(k, v string) { fmt.Printf("%-52s %s\n", k, v) }
@@ -136,7 +136,7 @@ func run(bin string, blocks int) error {
 
 func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
 
-func match(a, b ctl.Result) string {
+func match(a, b api.Result) string {
 	if a.KVDigest == b.KVDigest {
 		return "matches"
 	}

@@ -1,0 +1,131 @@
+// Package api holds the request and answer types of p2pd's admin API
+// (docs/operations.md, "The admin API"), shared by the daemon and its
+// client (ctl, kvctl), so that neither mirrors the other by hand. It uses
+// the standard library only and is the one kvtier package ctl imports.
+package api
+
+import "time"
+
+// Request is the body of POST /v0/requests: prompt token ids, or a seed
+// and a token count that the daemon expands (deterministic prompts for
+// tests and demos); kv_transfer_params as vLLM passes them (a
+// remote_kv_source names the peer that holds the prefix); kv_digest is
+// sha256 (default), crc32c or none.
+type Request struct {
+	RequestID      string         `json:"request_id,omitempty"`
+	PromptTokenIDs []uint32       `json:"prompt_token_ids,omitempty"`
+	Seed           *uint64        `json:"seed,omitempty"`
+	Tokens         int            `json:"tokens,omitempty"`
+	TransferParams map[string]any `json:"kv_transfer_params,omitempty"`
+	Digest         string         `json:"kv_digest,omitempty"`
+}
+
+// Result answers POST /v0/requests once the request's prefill is done.
+type Result struct {
+	RequestID string  `json:"request_id"`
+	Blocks    int     `json:"blocks"`
+	Sources   Sources `json:"sources"`
+	KVDigest  string  `json:"kv_digest"`
+	ElapsedMS float64 `json:"elapsed_ms"`
+}
+
+// Sources counts where a request's blocks came from.
+type Sources struct {
+	CPU      int `json:"cpu"`
+	Disk     int `json:"disk"`
+	Peer     int `json:"peer"`
+	Computed int `json:"computed"`
+}
+
+// Status answers GET /v0/status.
+type Status struct {
+	Node     string `json:"node"`
+	State    string `json:"state"`
+	Requests struct {
+		Running int `json:"running"`
+		Waiting int `json:"waiting"`
+	} `json:"requests"`
+	CPUTier struct {
+		Slots  int `json:"slots"`
+		Used   int `json:"used"`
+		Pinned int `json:"pinned"`
+	} `json:"cpu_tier"`
+	Peers          int    `json:"peers"`
+	HasPendingWork bool   `json:"has_pending_work"`
+	Poll           string `json:"poll"`
+	P2P            string `json:"p2p"`
+	// P2PAuth is how peers on the P2P port are authenticated: "token",
+	// "tls", "token+tls" or "none" (anyone who reaches the port).
+	P2PAuth   string `json:"p2p_auth"`
+	P2PHealth Health `json:"p2p_health"`
+	Copies    string `json:"copies"`
+}
+
+// Health is the P2P port's state: OK unless its accept loop stopped or
+// failed in the last 10 s.
+type Health struct {
+	OK              bool      `json:"ok"`
+	Accepting       bool      `json:"accepting"`
+	AcceptErrors    uint64    `json:"accept_errors"`
+	LastAcceptError string    `json:"last_accept_error,omitempty"`
+	LastErrorAt     time.Time `json:"last_accept_error_at,omitzero"`
+}
+
+// HealthAnswer answers GET /v0/health: 200 while the node serves, 503
+// when its P2P port does not accept.
+type HealthAnswer struct {
+	OK  bool   `json:"ok"`
+	P2P Health `json:"p2p"`
+}
+
+// Peers answers GET /v0/peers.
+type Peers struct {
+	Node  string     `json:"node"`
+	P2P   string     `json:"p2p"`
+	Peers []PeerInfo `json:"peers"`
+}
+
+// PeerInfo is one P2P session.
+type PeerInfo struct {
+	Node     string `json:"node"`
+	Addr     string `json:"addr"`
+	Ready    bool   `json:"ready"`
+	Dialed   bool   `json:"dialed"`
+	Requests int    `json:"requests"`
+	Rounds   int    `json:"rounds"`
+}
+
+// State answers POST /v0/resume and /v0/shutdown: the engine's state
+// after the call.
+type State struct {
+	State string `json:"state"`
+}
+
+// Paused answers POST /v0/pause: the engine's state and how long the
+// pause took.
+type Paused struct {
+	State     string  `json:"state"`
+	ElapsedMS float64 `json:"elapsed_ms"`
+}
+
+// Scrub answers POST /v0/scrub: the ready CPU blocks checked against
+// their checksums, those that disagreed (removed) and those that had
+// none kept (now recorded).
+type Scrub struct {
+	Checked    int     `json:"checked"`
+	Mismatched int     `json:"mismatched"`
+	Unrecorded int     `json:"unrecorded"`
+	ElapsedMS  float64 `json:"elapsed_ms"`
+}
+
+// Reset answers POST /v0/reset-cache.
+type Reset struct {
+	Reset     bool    `json:"reset"`
+	ElapsedMS float64 `json:"elapsed_ms"`
+}
+
+// Error is the body of every answer other than 200 (and 503 from
+// /v0/health, which is a HealthAnswer).
+type Error struct {
+	Error string `json:"error"`
+}
