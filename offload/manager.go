@@ -88,7 +88,7 @@ func New(cfg Config, specs ...TierSpec) (*Manager, error) {
 		log = slog.New(slog.DiscardHandler)
 	}
 	m := &Manager{cfg: cfg, log: log, blockBytes: cfg.Geometry.BlockBytes(), specs: slices.Clone(specs),
-		progress: make(chan struct{}, 1), wake: make(chan struct{}, 1), stop: make(chan struct{}), clock: newClock(),
+		progress: make(chan struct{}, 1), wake: make(chan struct{}, 1), stop: make(chan struct{}), clock: newClock(len(specs)),
 		pollInterval: time.Duration(cfg.TierPollInterval), hitTimeout: time.Duration(cfg.HitPendingTimeout)}
 	for i, s := range specs {
 		if s.Name == "" || s.New == nil {
@@ -129,7 +129,7 @@ func New(cfg Config, specs ...TierSpec) (*Manager, error) {
 	m.pollAlive.Store(m.polling)
 	for i, s := range specs {
 		var t Tier
-		env := TierEnv{Index: i, Wake: m.wakeFor(i), WakeAt: m.tierWakeAt, Progress: m.signalProgress, Emit: m.emitter(s.Name),
+		env := TierEnv{Index: i, Wake: m.wakeFor(i), WakeAt: m.tierWakeAt(i), Progress: m.signalProgress, Emit: m.emitter(s.Name),
 			Arena: arena, Logger: log.With("tier", s.Name)}
 		if perr := m.tierCall(i, "new", func() { t, err = s.New(env) }); perr != nil {
 			err = perr
@@ -767,8 +767,12 @@ func (s *Step) OnScheduleEnd() {
 	if m.mu.closed {
 		return
 	}
-	if _, err := m.serviceLocked(nil); err != nil && !errors.Is(err, ErrTierPanic) {
-		m.log.Warn("offload: servicing the tiers at the step's end failed", "err", err) // panics are logged where they are recovered
+	if _, err := m.serviceLocked(nil); err != nil {
+		for _, e := range joined(err) {
+			if !errors.Is(e, ErrTierPanic) { // panics are logged where they are recovered
+				m.log.Warn("offload: servicing the tiers at the step's end failed", "err", e)
+			}
+		}
 	}
 	for i, t := range m.mu.tiers {
 		if e, ok := t.(StepEnder); ok {
@@ -807,9 +811,23 @@ func (m *Manager) serviceLocked(only func(tier int) bool) (again bool, err error
 	return again, errors.Join(errs...)
 }
 
+// joined lists the errors that errors.Join joined into err, at any depth.
+func joined(err error) []error {
+	j, ok := err.(interface{ Unwrap() []error })
+	if !ok {
+		return []error{err}
+	}
+	var out []error
+	for _, e := range j.Unwrap() {
+		out = append(out, joined(e)...)
+	}
+	return out
+}
+
 // serveLocked lets tier i serve outside requests; a panic is its error
 // (S2.11).
 func (m *Manager) serveLocked(i int, srv Server) (err error) {
+	m.clock.served(i) // Serve asks again for the times the tier still needs
 	if perr := m.tierCall(i, "serve", func() { err = srv.Serve(&parent{m: m, tier: i}) }); perr != nil {
 		return perr
 	}
@@ -914,13 +932,13 @@ func (m *Manager) applyResultLocked(tier int, r JobResult) {
 }
 
 // HasPendingWork reports whether the engine must keep stepping although it
-// has nothing to schedule (S3.4). While the poll goroutine is alive, work
-// of polled tiers does not count: that goroutine services it. It counts:
-// parked cascades; jobs, queued promotions and pending work of tiers that
-// are not polled (or of every tier when no poll goroutine runs); a
-// keep-alive while a tier that serves outside requests has no poll
-// goroutine; and a keep-alive when more than one secondary tier is
-// configured and one of them is not polled.
+// has nothing to schedule (S3.4). While the poll goroutine services the
+// polled tiers, their work does not count. It counts: parked cascades;
+// jobs, queued promotions and pending work of tiers that are not polled
+// (or of every tier when the poll goroutine services none); a keep-alive
+// while a tier that serves outside requests is not serviced by it; and a
+// keep-alive when more than one secondary tier is configured and one of
+// them is not polled.
 func (m *Manager) HasPendingWork() bool {
 	m.mu.Lock()
 	defer m.mu.Unlock()

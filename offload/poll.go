@@ -24,24 +24,52 @@ const (
 	failureLogEvery = 30 * time.Second
 )
 
-// clock is the poll goroutine's timer. Whoever needs a pass by some time
-// asks wakeAt; the timer then fires at the earliest time asked since it
-// last fired. Every pass asks again for what is still ahead (the
-// manager's deadlines, Serve's timeouts, the poll interval), so a time
-// asked while the timer had already fired is not lost. Times the tiers
-// ask for (tierAt) bring a service of the tiers; the manager's own only a
-// clock pass.
+// clock is the poll goroutine's timer, armed at the earliest time anyone
+// asked for. The manager asks for its own (wakeAt: the nearest deadline,
+// the poll interval, a reset's next look); those are forgotten when the
+// timer fires, and every pass asks again for what is still ahead, so a
+// time asked while the timer had already fired is not lost. Each tier asks
+// for its own (TierEnv.WakeAt); a tier's asks are forgotten when the timer
+// brings its service, and when its Serve runs, which asks again for what
+// the tier still needs — so a deadline the tier no longer has disarms the
+// timer instead of bringing an idle node a pass.
 type clock struct {
-	mu     sync.Mutex
-	timer  *time.Timer
-	at     time.Time // when the timer fires; zero while it is disarmed
-	tierAt time.Time // the earliest service a tier asked for; zero: none
+	mu    sync.Mutex
+	timer *time.Timer
+	at    time.Time   // when the timer fires; zero while it is disarmed
+	own   time.Time   // the manager's earliest ask; zero: none
+	tiers []time.Time // per tier, its earliest ask since its last Serve
 }
 
-func newClock() clock {
+func newClock(tiers int) clock {
 	t := time.NewTimer(time.Hour)
 	t.Stop()
-	return clock{timer: t}
+	return clock{timer: t, tiers: make([]time.Time, tiers)}
+}
+
+func earlier(a, b time.Time) time.Time {
+	if a.IsZero() || (!b.IsZero() && b.Before(a)) {
+		return b
+	}
+	return a
+}
+
+// rearmLocked arms the timer at the earliest ask, or disarms it.
+func (c *clock) rearmLocked() {
+	want := c.own
+	for _, t := range c.tiers {
+		want = earlier(want, t)
+	}
+	switch {
+	case want.IsZero():
+		if !c.at.IsZero() {
+			c.timer.Stop()
+			c.at = time.Time{}
+		}
+	case !want.Equal(c.at):
+		c.at = want
+		c.timer.Reset(time.Until(want))
+	}
 }
 
 // wakeAt makes the poll goroutine's timer fire no later than t. Any
@@ -50,48 +78,54 @@ func (m *Manager) wakeAt(t time.Time) {
 	c := &m.clock
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	c.armLocked(t)
+	if !c.own.IsZero() && !t.Before(c.own) {
+		return
+	}
+	c.own = t
+	c.rearmLocked()
 }
 
-// tierWakeAt is TierEnv.WakeAt: a service of the tiers by t.
-func (m *Manager) tierWakeAt(t time.Time) {
-	c := &m.clock
+// tierWakeAt is tier i's TierEnv.WakeAt: a service of the tier by t.
+func (m *Manager) tierWakeAt(i int) func(time.Time) {
+	return func(t time.Time) {
+		c := &m.clock
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		if cur := c.tiers[i]; !cur.IsZero() && !t.Before(cur) {
+			return
+		}
+		c.tiers[i] = t
+		c.rearmLocked()
+	}
+}
+
+// served forgets tier i's asks: its Serve is running and asks again.
+func (c *clock) served(i int) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if c.tierAt.IsZero() || t.Before(c.tierAt) {
-		c.tierAt = t
-	}
-	c.armLocked(t)
-}
-
-func (c *clock) armLocked(t time.Time) {
-	if c.at.IsZero() || t.Before(c.at) {
-		c.at = t
-		c.timer.Reset(time.Until(t))
+	if !c.tiers[i].IsZero() {
+		c.tiers[i] = time.Time{}
+		c.rearmLocked()
 	}
 }
 
-// fired notes that the timer fired and is disarmed.
-func (c *clock) fired() {
+// fired, once the timer fired, forgets what was due by now and re-arms
+// for the rest; it reports whether a tier's ask was among what was due.
+func (c *clock) fired(now time.Time) (tierDue bool) {
 	c.mu.Lock()
+	defer c.mu.Unlock()
 	c.at = time.Time{}
-	c.mu.Unlock()
-}
-
-// tierDue reports whether a service a tier asked for is due by now, and
-// forgets it if so; one still ahead stays armed.
-func (c *clock) tierDue(now time.Time) bool {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if c.tierAt.IsZero() {
-		return false
+	if !c.own.IsZero() && !now.Before(c.own) {
+		c.own = time.Time{}
 	}
-	if now.Before(c.tierAt) {
-		c.armLocked(c.tierAt)
-		return false
+	for i, t := range c.tiers {
+		if !t.IsZero() && !now.Before(t) {
+			c.tiers[i] = time.Time{}
+			tierDue = true
+		}
 	}
-	c.tierAt = time.Time{}
-	return true
+	c.rearmLocked()
+	return tierDue
 }
 
 func (m *Manager) pollLoop() {
@@ -105,26 +139,26 @@ func (m *Manager) pollLoop() {
 		if fails.count > 0 {
 			wake = nil // backing off: the next attempt waits for the timer
 		}
-		woken := false
+		woken, tierDue := false, false
 		select {
 		case <-m.stop:
 			return
 		case <-wake:
 			woken = true
 		case <-m.clock.timer.C:
-			m.clock.fired()
+			tierDue = m.clock.fired(time.Now())
 		}
 		now := time.Now()
-		tierDue := m.clock.tierDue(now)
 		service := woken || tierDue || (!tick.IsZero() && !now.Before(tick))
 		if fails.count > 0 && now.Before(tick) {
 			service = false // S3.3: no attempt before the backoff ends
 		}
 		if !service {
-			// A deadline of the manager's own: expire, serve no tier.
+			// A deadline of the manager's own, or a tier's while backing
+			// off: expire, signal, serve no tier.
 			m.mu.Lock()
 			if !m.mu.closed {
-				m.clockPassLocked(now, false)
+				m.clockPassLocked(now, tierDue)
 			}
 			m.unlock()
 			if !tick.IsZero() {

@@ -55,6 +55,7 @@ func (m *Manager) ResetCache(ctx context.Context) error {
 	m.wakeAt(w.start)
 	select {
 	case <-w.drained:
+	case <-m.stop: // Close: the poll goroutine no longer drives the wait
 	case <-ctx.Done():
 		m.mu.Lock()
 		inFlight := len(m.mu.jobs)
