@@ -68,7 +68,7 @@ func RunBench(cfg BenchConfig, progress io.Writer) ([]BenchPoint, error) {
 
 func benchLayout(cfg BenchConfig, layers, seg int, progress io.Writer) ([]BenchPoint, error) {
 	layout := Layout{Layers: layers, SegmentBytes: seg, Blocks: cfg.Blocks}
-	stride := (layout.BlockBytes() + 4095) / 4096 * 4096
+	stride := (layout.BlockBytes() + unix.Getpagesize() - 1) / unix.Getpagesize() * unix.Getpagesize() // as offload.SlotStride (cudakv may not import offload)
 	arena, err := unix.Mmap(-1, 0, cfg.Blocks*stride, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS|unix.MAP_POPULATE)
 	if err != nil {
 		return nil, fmt.Errorf("cudakv bench: arena: %w", err)

@@ -44,13 +44,20 @@ type Arena struct {
 	HugePagesErr error
 }
 
+// SlotStride is the distance between two slots of slotBytes bytes in an
+// arena: slotBytes rounded up to the page size. The one place it is
+// computed.
+func SlotStride(slotBytes int) int {
+	page := os.Getpagesize()
+	return (slotBytes + page - 1) / page * page
+}
+
 // NewArena maps slots slots of at least slotBytes bytes each.
 func NewArena(slots, slotBytes int, opt ArenaOptions) (*Arena, error) {
 	if slots <= 0 || slotBytes <= 0 {
 		return nil, fmt.Errorf("offload: arena of %d slots × %d bytes: both must be positive", slots, slotBytes)
 	}
-	page := os.Getpagesize()
-	stride := (slotBytes + page - 1) / page * page
+	stride := SlotStride(slotBytes)
 	if int64(slots) > (1<<46)/int64(stride) {
 		return nil, fmt.Errorf("offload: arena of %d slots × %d bytes is too large", slots, stride)
 	}

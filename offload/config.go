@@ -8,7 +8,6 @@ import (
 	"io"
 	"log/slog"
 	"maps"
-	"os"
 	"reflect"
 	"slices"
 	"strings"
@@ -95,10 +94,7 @@ func (c *Config) Validate() error {
 	return c.DiskConfig.Validate()
 }
 
-func (c *Config) slotStride() int {
-	page := os.Getpagesize()
-	return (c.Geometry.BlockBytes() + page - 1) / page * page
-}
+func (c *Config) slotStride() int { return SlotStride(c.Geometry.BlockBytes()) }
 
 // CPUSlots is the number of CPU slots the config gives.
 func (c *Config) CPUSlots() int { return int(c.CPUBytes / int64(c.slotStride())) }

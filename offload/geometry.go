@@ -2,6 +2,7 @@ package offload
 
 import (
 	"fmt"
+	"maps"
 	"slices"
 )
 
@@ -26,19 +27,22 @@ var Geometries = map[string]Geometry{
 	"qwen3-0.6b": {Layers: 28, BlockTokens: 16, KVHeads: 8, HeadDim: 128, DType: "bf16"},
 }
 
+// GeometryNames lists the presets of Geometries, sorted.
+func GeometryNames() []string {
+	return slices.Sorted(maps.Keys(Geometries))
+}
+
 // GeometryByName returns a preset from Geometries.
 func GeometryByName(name string) (Geometry, error) {
 	g, ok := Geometries[name]
 	if !ok {
-		names := make([]string, 0, len(Geometries))
-		for n := range Geometries {
-			names = append(names, n)
-		}
-		slices.Sort(names)
-		return Geometry{}, fmt.Errorf("offload: unknown geometry %q (known: %v)", name, names)
+		return Geometry{}, fmt.Errorf("offload: unknown geometry %q (known: %v)", name, GeometryNames())
 	}
 	return g, nil
 }
+
+// DTypeBytes is the size of one element (0 for an unknown dtype).
+func (g Geometry) DTypeBytes() int { return dtypeSizes[g.DType] }
 
 // SegmentBytes is the size of one layer's K (or V, or fused) segment.
 func (g Geometry) SegmentBytes() int {

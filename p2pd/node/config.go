@@ -55,8 +55,7 @@ func DefaultConfig() Config {
 func (c *Config) OffloadConfig() offload.Config {
 	o := c.Offload
 	if c.CPUSlots > 0 {
-		page := int64(4096)
-		o.CPUBytes = int64(c.CPUSlots) * ((int64(o.Geometry.BlockBytes()) + page - 1) / page * page)
+		o.CPUBytes = int64(c.CPUSlots) * int64(offload.SlotStride(o.Geometry.BlockBytes()))
 	}
 	return o
 }

@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/kvtier/kvtier/ctl"
+	"github.com/kvtier/kvtier/offload"
 	"github.com/kvtier/kvtier/p2pd/api"
 )
 
@@ -163,5 +164,5 @@ func RSS(pid int) int64 {
 // RSSBeyondCaches is RSS minus the CPU arena and the GPU cache, both
 // populated at start (slots of each, page-rounded for the arena).
 func (p *Proc) RSSBeyondCaches() int64 {
-	return p.RSS() - int64(p.Slots)*int64((BlockBytes+4095)/4096*4096) - int64(p.Slots)*BlockBytes
+	return p.RSS() - int64(p.Slots)*int64(offload.SlotStride(BlockBytes)) - int64(p.Slots)*BlockBytes
 }
