@@ -165,6 +165,20 @@ func signal(c chan struct{}) {
 	}
 }
 
+// Tier returns the secondary tier built from the spec named name, or nil.
+// Callers that hold the tier's own handle (the node's admin API, tests)
+// still touch its state only where the tier says so.
+func (m *Manager) Tier(name string) Tier {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	for i, s := range m.specs {
+		if s.Name == name && i < len(m.mu.tiers) {
+			return m.mu.tiers[i]
+		}
+	}
+	return nil
+}
+
 // Arena returns the CPU tier's memory, for registering it with a GPU or
 // NIXL.
 func (m *Manager) Arena() *Arena { return m.mu.cpu.Arena() }

@@ -60,20 +60,12 @@ func Start(cfg Config, log *slog.Logger) (*Node, error) {
 		specs = append(specs, offload.DiskTier(oc.DiskConfig))
 	}
 	ps := p2p.Spec(cfg.P2P, oc, nil)
-	newP2P := ps.New
-	ps.New = func(env offload.TierEnv) (offload.Tier, error) {
-		t, err := newP2P(env)
-		if err == nil {
-			n.P2P = t.(*p2p.Tier)
-		}
-		return t, err
-	}
 	specs = append(specs, ps)
 	m, err := offload.New(oc, specs...)
 	if err != nil {
 		return nil, err
 	}
-	n.M = m
+	n.M, n.P2P = m, m.Tier(ps.Name).(*p2p.Tier)
 	n.Eng, err = engine.New(m, engine.Config{GPUBlocks: cfg.GPUBlocks, Backend: cfg.CopyBackend, Logger: log})
 	if err != nil {
 		m.Close()

@@ -34,19 +34,11 @@ func newNode(t testing.TB, n Network, edit func(*Config), slots int) *node {
 	cfg := tinyConfig(slots)
 	nd := &node{}
 	spec := Spec(pc, cfg, n)
-	inner := spec.New
-	spec.New = func(env offload.TierEnv) (offload.Tier, error) {
-		tr, err := inner(env)
-		if err == nil {
-			nd.tier = tr.(*Tier)
-		}
-		return tr, err
-	}
 	m, err := offload.New(cfg, spec)
 	if err != nil {
 		t.Fatal(err)
 	}
-	nd.m = m
+	nd.m, nd.tier = m, m.Tier(spec.Name).(*Tier)
 	t.Cleanup(func() { m.Close() })
 	return nd
 }

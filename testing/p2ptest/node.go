@@ -36,23 +36,14 @@ func NewNode(t testing.TB, g offload.Geometry, slots int, n p2p.Network, edit fu
 	cfg := offload.DefaultConfig()
 	cfg.Geometry = g
 	cfg.CPUHugePages = false
-	page := 4096
-	cfg.CPUBytes = int64(slots * ((g.BlockBytes() + page - 1) / page * page))
+	cfg.CPUBytes = int64(slots * offload.SlotStride(g.BlockBytes()))
 	nd := &Node{}
 	spec := p2p.Spec(pc, cfg, n)
-	inner := spec.New
-	spec.New = func(env offload.TierEnv) (offload.Tier, error) {
-		tr, err := inner(env)
-		if err == nil {
-			nd.Tier = tr.(*p2p.Tier)
-		}
-		return tr, err
-	}
 	m, err := offload.New(cfg, spec)
 	if err != nil {
 		t.Fatal(err)
 	}
-	nd.M = m
+	nd.M, nd.Tier = m, m.Tier(spec.Name).(*p2p.Tier)
 	t.Cleanup(func() { m.Close() })
 	return nd
 }

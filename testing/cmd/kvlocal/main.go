@@ -45,8 +45,7 @@ func run(geometry string, slots int, policy string, mlock bool, diskDir string, 
 	cfg.Geometry = g
 	cfg.CPUPolicy = policy
 	cfg.CPUMlock = mlock
-	page := int64(os.Getpagesize())
-	cfg.CPUBytes = int64(slots) * ((int64(g.BlockBytes()) + page - 1) / page * page)
+	cfg.CPUBytes = int64(slots) * int64(offload.SlotStride(g.BlockBytes()))
 	cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 	var tiers []offload.TierSpec
 	if diskDir != "none" {
