@@ -1,6 +1,7 @@
 // Package engine is p2pd's reference engine core: a scheduler loop in one
-// goroutine that runs requests through the tiering manager, and an
-// executor that "computes" KV blocks deterministically from their keys in
+// goroutine that runs requests through the tiering manager, one manager
+// step a loop turn, and an Executor, the part a real engine replaces: the
+// reference one "computes" KV blocks deterministically from their keys in
 // a GPU cache (cudakv device memory when a GPU is present, host memory
 // otherwise) and copies them between that cache and the CPU tier with
 // cudakv. It keeps no GPU prefix cache beyond a request's life, so every
@@ -22,7 +23,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/kvtier/kvtier/cudakv"
 	"github.com/kvtier/kvtier/offload"
 	"github.com/kvtier/kvtier/p2pd/api"
 )
@@ -83,9 +83,13 @@ var ErrBadDigest = errors.New("engine: kv_digest: want sha256, crc32c or none")
 type Config struct {
 	// GPUBlocks is the size of the GPU KV cache in blocks.
 	GPUBlocks int
-	// Backend is cudakv's backend: auto, cuda or host.
+	// Backend is cudakv's backend for the reference executor: auto, cuda
+	// or host.
 	Backend string
-	Logger  *slog.Logger
+	// Executor replaces the reference executor (a real engine's GPU
+	// side); its GPU cache must have GPUBlocks blocks.
+	Executor Executor
+	Logger   *slog.Logger
 }
 
 // PauseMode says what a pause does with requests (S5.3).
@@ -101,7 +105,7 @@ const (
 // Engine is the scheduler loop and its executor.
 type Engine struct {
 	m     *offload.Manager
-	mv    *cudakv.Mover
+	x     Executor
 	log   *slog.Logger
 	geo   offload.Geometry
 	seed  string
@@ -116,8 +120,6 @@ type Engine struct {
 	running, queued atomic.Int32
 
 	// loop-owned
-	buf             []byte    // one block, for compute
-	digestBufs      sync.Pool // *[]byte of one block, for digest goroutines
 	waiting, active []*job
 	free            []int32
 	pause           *pauseCmd
@@ -138,7 +140,7 @@ type job struct {
 	src     api.Sources
 	slots   []int32
 	plan    *offload.StorePlan
-	ticket  *cudakv.Ticket
+	copy    Copy
 	copying bool
 	digest  chan struct{} // closed when its digest goroutine no longer reads its GPU blocks
 	sums    chan struct{} // a store's: closed once its blocks' checksums are recorded
@@ -180,31 +182,24 @@ func New(m *offload.Manager, cfg Config) (*Engine, error) {
 		return nil, fmt.Errorf("engine: gpu_blocks %d must be positive", cfg.GPUBlocks)
 	}
 	mc := m.Config()
-	g := mc.Geometry
-	mv, err := cudakv.Open(cudakv.Spec{
-		Layout:     cudakv.Layout{Layers: g.Layers, Fused: g.Fused, SegmentBytes: g.SegmentBytes(), Blocks: cfg.GPUBlocks},
-		Arena:      m.Arena().Bytes(),
-		SlotStride: m.Arena().Stride(),
-		Backend:    cfg.Backend,
-		Checksums:  true, // each stored block's CRC32C, kept with its slot (S7.2)
-		Logger:     log,
-	})
-	if err != nil {
-		return nil, err
+	x := cfg.Executor
+	if x == nil {
+		var err error
+		if x, err = NewReference(m, cfg.GPUBlocks, cfg.Backend, log); err != nil {
+			return nil, err
+		}
 	}
-	e := &Engine{m: m, mv: mv, log: log, geo: g, seed: mc.HashSeed, total: cfg.GPUBlocks,
+	e := &Engine{m: m, x: x, log: log, geo: mc.Geometry, seed: mc.HashSeed, total: cfg.GPUBlocks,
 		inbox: make(chan any, 64), wake: make(chan struct{}, 1), done: make(chan struct{})}
 	for b := cfg.GPUBlocks - 1; b >= 0; b-- {
 		e.free = append(e.free, int32(b))
 	}
-	bb := g.BlockBytes()
-	e.digestBufs.New = func() any { b := make([]byte, bb); return &b }
-	log.Info("engine: executor ready", "copies", mv.Backend(), "gpu_blocks", cfg.GPUBlocks)
+	log.Info("engine: executor ready", "copies", x.Backend(), "gpu_blocks", cfg.GPUBlocks)
 	return e, nil
 }
 
 // Backend names the copy backend ("host" or "cuda: <device>").
-func (e *Engine) Backend() string { return e.mv.Backend() }
+func (e *Engine) Backend() string { return e.x.Backend() }
 
 // State returns the engine's state.
 func (e *Engine) State() State { return State(e.state.Load()) }
@@ -287,7 +282,7 @@ func (e *Engine) command(c any, reply chan error) error {
 // Close releases the executor; call it after Run returned.
 func (e *Engine) Close() error {
 	e.wg.Wait()
-	return e.mv.Close()
+	return e.x.Close()
 }
 
 // Done is closed when Run returned.

@@ -11,13 +11,19 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvtier/kvtier/cudakv"
 	"github.com/kvtier/kvtier/offload"
 	"github.com/kvtier/kvtier/offload/crc32c"
 	"github.com/kvtier/kvtier/p2pd/api"
 )
 
 func newEngine(t *testing.T, slots, gpu int) (*Engine, *offload.Manager) {
+	t.Helper()
+	return newEngineWith(t, slots, gpu, nil)
+}
+
+// newEngineWith is newEngine with an executor made by x (nil: the
+// reference).
+func newEngineWith(t *testing.T, slots, gpu int, x func(*offload.Manager) Executor) (*Engine, *offload.Manager) {
 	t.Helper()
 	cfg := offload.DefaultConfig()
 	cfg.Geometry = offload.Geometries["tiny"]
@@ -27,7 +33,11 @@ func newEngine(t *testing.T, slots, gpu int) (*Engine, *offload.Manager) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	e, err := New(m, Config{GPUBlocks: gpu, Backend: "host"})
+	c := Config{GPUBlocks: gpu, Backend: "host"}
+	if x != nil {
+		c.Executor = x(m)
+	}
+	e, err := New(m, c)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -189,14 +199,14 @@ func TestDigestKinds(t *testing.T) {
 // recorded, so a block never becomes ready without its checksum kept.
 func TestStoreDoneWaitsForChecksums(t *testing.T) {
 	e, _ := newEngine(t, 8, 8)
-	tk, err := e.mv.Store([]cudakv.Pair{{GPU: 0, CPU: 0}})
+	tk, err := e.x.Store([]Pair{{GPU: 0, CPU: 0}})
 	if err != nil {
 		t.Fatal(err)
 	}
 	if err := tk.Wait(); err != nil {
 		t.Fatal(err)
 	}
-	j := &job{ticket: tk, sums: make(chan struct{})}
+	j := &job{copy: tk, sums: make(chan struct{})}
 	if done, _ := j.copyDone(); done {
 		t.Fatal("a store counted as done before its checksums were recorded")
 	}
@@ -218,7 +228,7 @@ func TestDigestDefinition(t *testing.T) {
 	sha, crcs := sha256.New(), sha256.New()
 	buf := make([]byte, e.geo.BlockBytes())
 	for _, b := range gpu {
-		if err := e.mv.ReadBlock(int(b), buf); err != nil {
+		if err := e.x.(*reference).mv.ReadBlock(int(b), buf); err != nil {
 			t.Fatal(err)
 		}
 		sha.Write(buf)
@@ -231,5 +241,63 @@ func TestDigestDefinition(t *testing.T) {
 		if got, err := e.digestOf(kind, gpu); err != nil || got != want {
 			t.Errorf("digest %s = %q, %v; want %q", kind, got, err, want)
 		}
+	}
+}
+
+// countingExecutor is the reference executor, counting the calls the
+// engine makes: a real engine's executor sits where it does.
+type countingExecutor struct {
+	Executor
+	computes, loads, stores, visits int
+}
+
+func (c *countingExecutor) Compute(gpu int32, k offload.Key) error {
+	c.computes++
+	return c.Executor.Compute(gpu, k)
+}
+
+func (c *countingExecutor) Load(p []Pair) (Copy, error) { c.loads++; return c.Executor.Load(p) }
+
+func (c *countingExecutor) Store(p []Pair) (Copy, error) { c.stores++; return c.Executor.Store(p) }
+
+func (c *countingExecutor) Visit(gpu int32, fn func([]byte)) error {
+	c.visits++
+	return c.Executor.Visit(gpu, fn)
+}
+
+// Issue 13: the engine's GPU side is an Executor that a real engine's
+// replaces. A prompt is computed and stored once, then loaded; the digest
+// reads every block through the executor. (The engine loop is the only
+// caller of Compute/Load/Store; the digest goroutine's Visits end before
+// the answer, so the counts are read after it.)
+func TestExecutorReplaceable(t *testing.T) {
+	var x *countingExecutor
+	e, _ := newEngineWith(t, 64, 32, func(m *offload.Manager) Executor {
+		ref, err := NewReference(m, 32, "host", nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		x = &countingExecutor{Executor: ref}
+		return x
+	})
+	ctx := context.Background()
+	for i, id := range []string{"a", "b"} {
+		r, err := e.Submit(ctx, Request{ID: id, Tokens: tokens(1, 16*4)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(r.KVDigest) != 64 {
+			t.Errorf("request %s: digest %q", id, r.KVDigest)
+		}
+		want := [4]int{4, 0, 1, 4} // computed, stored once
+		if i == 1 {
+			want = [4]int{4, 1, 1, 8} // then loaded back
+		}
+		if got := [4]int{x.computes, x.loads, x.stores, x.visits}; got != want {
+			t.Errorf("after %s: computes, loads, stores, visits = %v, want %v", id, got, want)
+		}
+	}
+	if b := e.Backend(); b != "host" {
+		t.Errorf("Backend() = %q, the executor's", b)
 	}
 }

@@ -9,7 +9,6 @@ import (
 	"slices"
 	"time"
 
-	"github.com/kvtier/kvtier/cudakv"
 	"github.com/kvtier/kvtier/offload"
 	"github.com/kvtier/kvtier/offload/crc32c"
 	"github.com/kvtier/kvtier/p2pd/api"
@@ -299,6 +298,7 @@ func (e *Engine) step() {
 		return
 	}
 	// Admit in order while GPU blocks last.
+	var admitted []*job
 	for e.State() == Running && len(e.waiting) > 0 && len(e.waiting[0].keys) <= len(e.free) {
 		j := e.waiting[0]
 		e.waiting = e.waiting[1:]
@@ -306,21 +306,24 @@ func (e *Engine) step() {
 		j.gpu = append([]int32(nil), e.free[len(e.free)-n:]...)
 		e.free = e.free[:len(e.free)-n]
 		j.req = &offload.Request{ID: j.r.ID, TransferParams: j.r.TransferParams}
-		var err error
-		e.m.Do(func(s *offload.Step) { _, err = s.OnNewRequest(j.req) })
-		if err != nil {
-			e.release(j)
-			j.reply <- jobReply{err: err}
-			continue
-		}
-		e.active = append(e.active, j)
+		admitted = append(admitted, j)
 	}
-	lookups := false
+	lookups := len(admitted) > 0
 	for _, j := range e.active {
 		lookups = lookups || (j.phase == phaseLookup && j.reply != nil)
 	}
+	// One step a loop turn (issue 13): the new requests registered, every
+	// lookup, then the step's end asks the peers at once.
 	if lookups || e.m.HasPendingWork() {
 		s := e.m.Begin()
+		for _, j := range admitted {
+			if _, err := s.OnNewRequest(j.req); err != nil {
+				e.release(j)
+				j.reply <- jobReply{err: err}
+				continue
+			}
+			e.active = append(e.active, j)
+		}
 		for _, j := range e.active {
 			if j.phase == phaseLookup && j.reply != nil {
 				e.lookup(s, j)
@@ -368,22 +371,22 @@ func (e *Engine) lookup(s *offload.Step, j *job) {
 	if hits == 0 {
 		return // nothing to load: compute at once (copied runs below)
 	}
-	pairs := make([]cudakv.Pair, hits)
+	pairs := make([]Pair, hits)
 	for i := range pairs {
-		pairs[i] = cudakv.Pair{GPU: j.gpu[i], CPU: slots[i]}
+		pairs[i] = Pair{GPU: j.gpu[i], CPU: slots[i]}
 	}
-	e.start(j, func() (*cudakv.Ticket, error) { return e.mv.Load(pairs) }, nil)
+	e.start(j, func() (Copy, error) { return e.x.Load(pairs) }, nil)
 }
 
 // start runs a copy; stored, when not nil, are the pairs of a store, whose
 // blocks' CRC32Cs are recorded with their slots once it ends (S7.2).
-func (e *Engine) start(j *job, copy func() (*cudakv.Ticket, error), stored []cudakv.Pair) {
-	t, err := copy()
+func (e *Engine) start(j *job, begin func() (Copy, error), stored []Pair) {
+	t, err := begin()
 	if err != nil {
 		e.fail(j, err)
 		return
 	}
-	j.ticket, j.copying, j.sums = t, true, nil
+	j.copy, j.copying, j.sums = t, true, nil
 	var sums chan struct{}
 	if stored != nil {
 		sums = make(chan struct{})
@@ -404,7 +407,7 @@ func (e *Engine) start(j *job, copy func() (*cudakv.Ticket, error), stored []cud
 // store also whether its blocks' checksums are recorded: a block must not
 // become ready before its checksum is kept (S7.2).
 func (j *job) copyDone() (bool, error) {
-	done, err := j.ticket.Done()
+	done, err := j.copy.Done()
 	if done && j.sums != nil {
 		select {
 		case <-j.sums:
@@ -418,7 +421,7 @@ func (j *job) copyDone() (bool, error) {
 // recordSums keeps each stored block's CRC32C with its CPU slot: the one
 // the copy computed, else (a backend that does not) computed here, off
 // the engine loop, before the store completes.
-func (e *Engine) recordSums(pairs []cudakv.Pair, sums []uint32) {
+func (e *Engine) recordSums(pairs []Pair, sums []uint32) {
 	a := e.m.Arena()
 	for i, p := range pairs {
 		if sums != nil {
@@ -462,10 +465,8 @@ func (e *Engine) copied(j *job, err error) {
 			e.fail(j, err)
 			return
 		}
-		buf := e.block()
 		for i := j.hits; i < len(j.keys); i++ {
-			Fill(buf, j.keys[i])
-			if err := e.mv.WriteBlock(int(j.gpu[i]), buf); err != nil {
+			if err := e.x.Compute(j.gpu[i], j.keys[i]); err != nil {
 				e.fail(j, err)
 				return
 			}
@@ -487,11 +488,11 @@ func (e *Engine) copied(j *job, err error) {
 		for i, k := range j.keys {
 			index[k] = i
 		}
-		pairs := make([]cudakv.Pair, len(plan.Keys))
+		pairs := make([]Pair, len(plan.Keys))
 		for i, k := range plan.Keys {
-			pairs[i] = cudakv.Pair{GPU: j.gpu[index[k]], CPU: plan.Slots[i]}
+			pairs[i] = Pair{GPU: j.gpu[index[k]], CPU: plan.Slots[i]}
 		}
-		e.start(j, func() (*cudakv.Ticket, error) { return e.mv.Store(pairs) }, pairs)
+		e.start(j, func() (Copy, error) { return e.x.Store(pairs) }, pairs)
 		if !j.copying {
 			e.m.Do(func(s *offload.Step) { s.CompleteStore(plan.Keys, j.req, false) })
 		}
@@ -540,8 +541,6 @@ func (e *Engine) answer(j *job) {
 
 // digestOf computes a kv_digest over GPU blocks.
 func (e *Engine) digestOf(kind string, gpu []int32) (string, error) {
-	buf := e.digestBufs.Get().(*[]byte)
-	defer e.digestBufs.Put(buf)
 	h := sha256.New()
 	var crc uint32
 	var sum [4]byte
@@ -552,7 +551,7 @@ func (e *Engine) digestOf(kind string, gpu []int32) (string, error) {
 	for _, b := range gpu {
 		crc = 0
 		// In place on the host backend: no copy of the cache (issue 12).
-		if err := e.mv.VisitBlock(int(b), *buf, each); err != nil {
+		if err := e.x.Visit(b, each); err != nil {
 			return "", err
 		}
 		if kind == DigestCRC32C {
@@ -577,31 +576,5 @@ func (j *job) digesting() bool {
 		return false
 	default:
 		return true
-	}
-}
-
-// block returns the loop's one block buffer: reusing it keeps the heap
-// flat, so an idle node does not owe the garbage collector a cycle that
-// would slow the next admin call.
-func (e *Engine) block() []byte {
-	if e.buf == nil {
-		e.buf = make([]byte, e.geo.BlockBytes())
-	}
-	return e.buf
-}
-
-// Fill writes the deterministic contents of block k: what "computing" the
-// block produces on every node.
-func Fill(b []byte, k offload.Key) {
-	x := binary.LittleEndian.Uint64(k[:8]) | 1
-	i := 0
-	for ; i+8 <= len(b); i += 8 {
-		x ^= x << 13
-		x ^= x >> 7
-		x ^= x << 17
-		binary.LittleEndian.PutUint64(b[i:], x)
-	}
-	for ; i < len(b); i++ {
-		b[i] = byte(x >> (8 * (i % 8)))
 	}
 }
