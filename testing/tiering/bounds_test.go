@@ -3,7 +3,6 @@ package tiering
 import (
 	"bytes"
 	"context"
-	"strings"
 	"testing"
 	"testing/synctest"
 	"time"
@@ -12,112 +11,6 @@ import (
 	"github.com/kvtier/kvtier/offload"
 	"github.com/kvtier/kvtier/testing/fake"
 )
-
-// S4.7, S2.10: a tier that answers Retry forever keeps the request waiting
-// only until hit_pending_timeout: the expiry wakes a sleeping engine at the
-// deadline, the lookup then answers a stable Miss, and the timeout counts
-// with reason=retry.
-func TestRetryDeadline(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
-		tier := fake.NewTier(offload.ChunkLevel)
-		h := newHarness(t, 4, nil, tier)
-		k := keys(1, 1)
-		tier.Answer(k[0], offload.Retry) // still finding out, forever
-		req := h.newRequest("r")
-		start := time.Now()
-		if r := h.lookups(req, k); r[0] != offload.Retry {
-			t.Fatalf("lookup = %v, want retry", r[0])
-		}
-		drainProgress(h.m)
-		<-h.m.Progress() // the engine sleeps until the deadline wakes it
-		if waited := time.Since(start); waited != 5*time.Second {
-			t.Errorf("woken after %v, want the 5s hit_pending_timeout", waited)
-		}
-		if r := h.lookups(req, k); r[0] != offload.Miss {
-			t.Errorf("lookup after the deadline = %v, want miss", r[0])
-		}
-		// Stable: the tier finding the block later starts no promotion.
-		tier.ClearAnswer(k[0])
-		tier.Put(k[0], h.block(k[0]))
-		if r := h.lookups(req, k); r[0] != offload.Miss {
-			t.Errorf("lookup once the tier has the block = %v, want a stable miss", r[0])
-		}
-		if n := len(tier.Calls().Loads); n != 0 {
-			t.Errorf("%d promotions for an expired (request, key), want 0", n)
-		}
-		m := h.m.Metrics()
-		if m.RetryTimeouts != 1 || m.HitPendingTimeouts != 0 {
-			t.Errorf("timeouts: retry %d, hit_pending %d; want 1, 0", m.RetryTimeouts, m.HitPendingTimeouts)
-		}
-		var text bytes.Buffer
-		if err := m.WritePrometheus(&text); err != nil {
-			t.Fatal(err)
-		}
-		for _, want := range []string{
-			`kv_offload_tiering_hit_pending_timeouts_total{reason="retry"} 1`,
-			`kv_offload_tiering_hit_pending_timeouts_total{reason="hit_pending"} 0`,
-		} {
-			if !strings.Contains(text.String(), want+"\n") {
-				t.Errorf("metrics lack %q", want)
-			}
-		}
-	})
-}
-
-// S4.7, S4.2: the deadline starts at the first unsettled answer and is
-// never refreshed while the answer alternates between Retry and
-// HitPending; the timeout's reason is the last unsettled answer.
-func TestUnsettledDeadlineNotRefreshed(t *testing.T) {
-	tests := []struct {
-		name       string
-		endOnRetry bool // fail the promotion at 3 s and answer Retry again
-		want       offload.Metrics
-	}{
-		{"retry, hit_pending, retry", true, offload.Metrics{RetryTimeouts: 1}},
-		{"retry, hit_pending", false, offload.Metrics{HitPendingTimeouts: 1}},
-	}
-	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			synctest.Test(t, func(t *testing.T) {
-				tier := fake.NewTier(offload.ChunkLevel)
-				h := newHarness(t, 4, nil, tier)
-				k := keys(1, 1)
-				tier.Answer(k[0], offload.Retry)
-				req := h.newRequest("r")
-				start := time.Now()
-				want := func(at time.Duration, r offload.Result) {
-					t.Helper()
-					time.Sleep(start.Add(at).Sub(time.Now()))
-					if got := h.lookups(req, k)[0]; got != r {
-						t.Fatalf("lookup at %v = %v, want %v", at, got, r)
-					}
-				}
-				want(0, offload.Retry)
-				tier.ClearAnswer(k[0]) // the tier found it: a promotion starts and stalls
-				tier.Put(k[0], h.block(k[0]))
-				tier.Hold(true)
-				want(2*time.Second, offload.HitPending)
-				if tt.endOnRetry {
-					tier.Release(tier.Held()[0], false) // the round fails
-					tier.Answer(k[0], offload.Retry)    // and the tier is unsure again
-					h.step(func(*offload.Step) {})      // the failure is applied
-					want(3*time.Second, offload.Retry)
-				}
-				last := offload.HitPending
-				if tt.endOnRetry {
-					last = offload.Retry
-				}
-				want(5*time.Second-time.Nanosecond, last) // still unsettled
-				want(5*time.Second, offload.Miss)         // the first answer's deadline
-				m := h.m.Metrics()
-				if m.RetryTimeouts != tt.want.RetryTimeouts || m.HitPendingTimeouts != tt.want.HitPendingTimeouts {
-					t.Errorf("timeouts: retry %d, hit_pending %d; want %d, %d",
-						m.RetryTimeouts, m.HitPendingTimeouts, tt.want.RetryTimeouts, tt.want.HitPendingTimeouts)
-				}
-			})
-		})
-	}
-}
 
 // S4.8: a lookup for a request never registered with OnNewRequest answers
 // Miss — also for a block the CPU tier holds — asks no tier, starts no
