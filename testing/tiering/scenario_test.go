@@ -13,7 +13,7 @@ import (
 
 	"github.com/kvtier/kvtier/offload"
 	"github.com/kvtier/kvtier/testing/fake"
-	"github.com/kvtier/kvtier/testing/script"
+	"github.com/kvtier/kvtier/offload/script"
 )
 
 // TestScenarios runs the scripts of testdata/ (package script), each in

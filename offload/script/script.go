@@ -13,6 +13,10 @@
 // Its expected output follows the "----" line up to the next blank line
 // (so an output has no blank lines). With -update the files are rewritten
 // with the outputs the commands printed.
+//
+// It lives in offload, which every module may import, so that the tests of
+// each (the tiering manager's, the P2P protocol's) share one runner; it
+// uses the standard library only and is imported by tests only.
 package script
 
 import (

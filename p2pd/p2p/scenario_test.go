@@ -1,0 +1,226 @@
+package p2p
+
+import (
+	"fmt"
+	"net"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+	"testing/synctest"
+	"time"
+
+	"github.com/kvtier/kvtier/offload"
+	"github.com/kvtier/kvtier/offload/script"
+	"github.com/kvtier/kvtier/p2pd/wire"
+)
+
+// TestScenarios runs the protocol scripts of testdata/ (offload/script):
+// real nodes against hand-driven fake peers over in-memory connections,
+// each script in a synctest bubble, so every timeout runs in fake time.
+// `go test -run TestScenarios -update` rewrites the expected outputs.
+//
+// Commands (keys k1, k2, … of one chain):
+//
+//	node N [slots=16]                 a node with a P2P tier
+//	store N K… | write N K…           blocks ready in N's CPU tier, or being written (never completed)
+//	listen F                          F's data port, which the node dials to write blocks
+//	connect F N                       fake peer F connects to node N and completes the handshake
+//	send F lookup|fetch|abort req=R round=N [keys=K,…] [slots=S,…]
+//	recv F                            the next message the node sent F
+//	idle F                            whether nothing waits for F
+//	blocks F n=N                      F accepts the data connections and reads N blocks
+//	sleep D | wait                    advance the fake clock by D; wait for the bubble
+//	pins N | stat N NAME | errors N REASON
+func TestScenarios(t *testing.T) {
+	for _, path := range script.Files(t, "testdata") {
+		t.Run(strings.TrimSuffix(filepath.Base(path), ".txt"), func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				s := &protoScenario{mn: newMemNet(), nodes: map[string]*node{}, fakes: map[string]*fakePeer{},
+					data: map[string]net.Listener{}, keys: testKeys(1, 32), start: time.Now()}
+				script.Run(t, path, s.do)
+			})
+		})
+	}
+}
+
+type protoScenario struct {
+	mn    *memNet
+	nodes map[string]*node
+	fakes map[string]*fakePeer
+	data  map[string]net.Listener
+	keys  []offload.Key
+	start time.Time
+}
+
+func (s *protoScenario) do(t *testing.T, c *script.Cmd) string {
+	t.Helper()
+	w := c.Words()
+	switch c.Name {
+	case "node":
+		slots, _ := strconv.Atoi(c.Val("slots", "16"))
+		s.nodes[w[0]] = newNode(t, s.mn, nil, slots)
+	case "store":
+		s.node(t, c, w[0]).store(t, s.keysOf(t, c, w[1:]))
+	case "write":
+		n, req := s.node(t, c, w[0]), &offload.Request{ID: "w"}
+		n.m.Do(func(st *offload.Step) {
+			st.OnNewRequest(req)
+			st.PrepareStore(s.keysOf(t, c, w[1:]), req)
+		})
+	case "listen":
+		l, err := s.mn.Listen(w[0] + ":1")
+		if err != nil {
+			t.Fatal(err)
+		}
+		s.data[w[0]] = l
+	case "connect":
+		s.fakes[w[0]] = connectFake(t, s.mn, s.node(t, c, w[1]), w[0])
+	case "send":
+		f := s.fake(t, c, w[0])
+		req, _ := c.Vals["req"]
+		round, _ := strconv.ParseUint(c.Val("round", "1"), 10, 64)
+		keys := wkeys(s.keysOf(t, c, list(c.Val("keys", ""))))
+		switch w[1] {
+		case "lookup":
+			f.send(wire.Lookup{ReqID: req, Round: round, Keys: keys})
+		case "fetch":
+			var slots []uint32
+			for _, v := range list(c.Val("slots", "")) {
+				n, err := strconv.ParseUint(v, 10, 32)
+				if err != nil {
+					t.Fatalf("%s: slot %q", c.Pos, v)
+				}
+				slots = append(slots, uint32(n))
+			}
+			f.send(wire.Fetch{ReqID: req, Round: round, Keys: keys, Slots: slots})
+		case "abort":
+			f.send(wire.AbortFetch{ReqID: req, Round: round})
+		default:
+			t.Fatalf("%s: cannot send %q", c.Pos, w[1])
+		}
+	case "recv":
+		m := s.fake(t, c, w[0]).next()
+		if m == nil {
+			return "closed"
+		}
+		return s.format(m)
+	case "idle":
+		synctest.Wait()
+		if f := s.fake(t, c, w[0]); !f.idle() {
+			return "not idle: " + s.format(f.next())
+		}
+		return "idle"
+	case "blocks":
+		n, _ := strconv.Atoi(c.Val("n", "1"))
+		f, l := s.fake(t, c, w[0]), s.data[w[0]]
+		if l == nil {
+			t.Fatalf("%s: %s has no data port (listen)", c.Pos, w[0])
+		}
+		var size int
+		for _, nd := range s.nodes {
+			size = nd.m.BlockBytes()
+		}
+		got := readBlocks(t, f, l, n, size)
+		var out []string
+		for slot, b := range got {
+			what := "unknown bytes"
+			for i, k := range s.keys {
+				if string(b) == string(blockOf(k, size)) {
+					what = fmt.Sprintf("k%d", i+1)
+				}
+			}
+			out = append(out, fmt.Sprintf("slot %d: %s", slot, what))
+		}
+		slices.Sort(out)
+		return strings.Join(out, "\n")
+	case "sleep":
+		d, err := time.ParseDuration(w[0])
+		if err != nil {
+			t.Fatalf("%s: %v", c.Pos, err)
+		}
+		time.Sleep(d)
+		synctest.Wait()
+	case "wait":
+		synctest.Wait()
+	case "pins":
+		return strconv.Itoa(pins(s.node(t, c, w[0])))
+	case "stat":
+		return fmt.Sprint(stat(s.node(t, c, w[0]), w[1]))
+	case "errors":
+		return fmt.Sprint(s.node(t, c, w[0]).m.Metrics().Errors[w[1]])
+	case "time":
+		return time.Since(s.start).String()
+	default:
+		t.Fatalf("%s: unknown command %q", c.Pos, c.Name)
+	}
+	return ""
+}
+
+func list(v string) []string {
+	if v == "" {
+		return nil
+	}
+	return strings.Split(v, ",")
+}
+
+// format prints a message the node sent, keys by name.
+func (s *protoScenario) format(m wire.Msg) string {
+	switch m := m.(type) {
+	case wire.LookupResp:
+		var hits []string
+		for i, k := range m.Keys {
+			h := "miss"
+			if m.Hits[i] {
+				h = "hit"
+			}
+			hits = append(hits, s.keyName(k)+":"+h)
+		}
+		return fmt.Sprintf("lookup_resp req=%s round=%d %s", m.ReqID, m.Round, strings.Join(hits, " "))
+	case wire.TransferDone:
+		return fmt.Sprintf("transfer_done req=%s round=%d ok=%v", m.ReqID, m.Round, m.OK)
+	case wire.AbortAck:
+		return fmt.Sprintf("abort_ack req=%s round=%d", m.ReqID, m.Round)
+	case wire.Disconnect:
+		return fmt.Sprintf("disconnect code=%s reason=%q", m.Code, m.Reason)
+	}
+	return fmt.Sprintf("%s %+v", m.Type(), m)
+}
+
+func (s *protoScenario) keyName(k wire.Key) string {
+	for i, x := range s.keys {
+		if x == k {
+			return fmt.Sprintf("k%d", i+1)
+		}
+	}
+	return "?"
+}
+
+func (s *protoScenario) node(t *testing.T, c *script.Cmd, name string) *node {
+	n, ok := s.nodes[name]
+	if !ok {
+		t.Fatalf("%s: no node %q", c.Pos, name)
+	}
+	return n
+}
+
+func (s *protoScenario) fake(t *testing.T, c *script.Cmd, name string) *fakePeer {
+	f, ok := s.fakes[name]
+	if !ok {
+		t.Fatalf("%s: no fake peer %q", c.Pos, name)
+	}
+	return f
+}
+
+func (s *protoScenario) keysOf(t *testing.T, c *script.Cmd, names []string) []offload.Key {
+	var out []offload.Key
+	for _, n := range names {
+		i, err := strconv.Atoi(strings.TrimPrefix(n, "k"))
+		if err != nil || !strings.HasPrefix(n, "k") || i < 1 || i > len(s.keys) {
+			t.Fatalf("%s: bad key %q", c.Pos, n)
+		}
+		out = append(out, s.keys[i-1])
+	}
+	return out
+}
