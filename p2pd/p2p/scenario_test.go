@@ -33,12 +33,21 @@ import (
 //	blocks F n=N                      F accepts the data connections and reads N blocks
 //	sleep D | wait                    advance the fake clock by D; wait for the bubble
 //	pins N | stat N NAME | errors N REASON
+//
+// The consumer side: the node's request r fetches from a fake producer.
+//
+//	consumer N F                      node N whose request r names fake producer F, which accepts N's connection
+//	lookup N K…                       one engine step of r's lookups on N; prints the answers
+//	reply F hits=1,0,…                F answers the last lookup it received
+//	ack F                             F acknowledges the last abort it received
+//	finish N                          r finishes on N
+//	cpu N                             N's CPU slots being written, and P2P promotion failures
 func TestScenarios(t *testing.T) {
 	for _, path := range script.Files(t, "testdata") {
 		t.Run(strings.TrimSuffix(filepath.Base(path), ".txt"), func(t *testing.T) {
 			synctest.Test(t, func(t *testing.T) {
 				s := &protoScenario{mn: newMemNet(), nodes: map[string]*node{}, fakes: map[string]*fakePeer{},
-					data: map[string]net.Listener{}, keys: testKeys(1, 32), start: time.Now()}
+					data: map[string]net.Listener{}, keys: testKeys(1, 32), start: time.Now(), last: map[string]wire.Msg{}}
 				script.Run(t, path, s.do)
 			})
 		})
@@ -52,6 +61,8 @@ type protoScenario struct {
 	data  map[string]net.Listener
 	keys  []offload.Key
 	start time.Time
+	req   *offload.Request     // the consumer's request (consumer)
+	last  map[string]wire.Msg // per fake, the last lookup or abort it received
 }
 
 func (s *protoScenario) do(t *testing.T, c *script.Cmd) string {
@@ -105,7 +116,51 @@ func (s *protoScenario) do(t *testing.T, c *script.Cmd) string {
 		if m == nil {
 			return "closed"
 		}
+		switch m.(type) {
+		case wire.Lookup, wire.AbortFetch:
+			s.last[w[0]] = m
+		}
 		return s.format(m)
+	case "consumer":
+		n := newNode(t, s.mn, nil, 16)
+		s.nodes[w[0]] = n
+		l, err := s.mn.Listen(w[1] + ":1")
+		if err != nil {
+			t.Fatal(err)
+		}
+		s.req = &offload.Request{ID: "r", TransferParams: source("kv", w[1]+":1")}
+		n.m.Do(func(st *offload.Step) { st.OnNewRequest(s.req) })
+		s.fakes[w[1]] = acceptFake(t, l, w[1])
+	case "lookup":
+		var out []string
+		for i, r := range step(s.node(t, c, w[0]), s.req, s.keysOf(t, c, w[1:])) {
+			out = append(out, w[1+i]+" "+r.String())
+		}
+		synctest.Wait()
+		return strings.Join(out, "\n")
+	case "reply":
+		lk, ok := s.last[w[0]].(wire.Lookup)
+		if !ok {
+			t.Fatalf("%s: %s received no lookup to answer", c.Pos, w[0])
+		}
+		var hits []bool
+		for _, h := range list(c.Val("hits", "")) {
+			hits = append(hits, h == "1")
+		}
+		s.fake(t, c, w[0]).send(wire.LookupResp{ReqID: lk.ReqID, Round: lk.Round, Keys: lk.Keys, Hits: hits})
+		synctest.Wait()
+	case "ack":
+		a, ok := s.last[w[0]].(wire.AbortFetch)
+		if !ok {
+			t.Fatalf("%s: %s received no abort to acknowledge", c.Pos, w[0])
+		}
+		s.fake(t, c, w[0]).send(wire.AbortAck{ReqID: a.ReqID, Round: a.Round})
+		synctest.Wait()
+	case "finish":
+		s.node(t, c, w[0]).m.Do(func(st *offload.Step) { st.OnRequestFinished(s.req) })
+	case "cpu":
+		m := s.node(t, c, w[0]).m.Metrics()
+		return fmt.Sprintf("writing %d, promotion failures %d", m.CPU.Writing, m.Tiers[1].PromotionFailures)
 	case "idle":
 		synctest.Wait()
 		if f := s.fake(t, c, w[0]); !f.idle() {
@@ -184,8 +239,26 @@ func (s *protoScenario) format(m wire.Msg) string {
 		return fmt.Sprintf("abort_ack req=%s round=%d", m.ReqID, m.Round)
 	case wire.Disconnect:
 		return fmt.Sprintf("disconnect code=%s reason=%q", m.Code, m.Reason)
+	case wire.Lookup:
+		return fmt.Sprintf("lookup req=%s round=%d keys=%s", m.ReqID, m.Round, s.keyNames(m.Keys))
+	case wire.Fetch:
+		var slots []string
+		for _, sl := range m.Slots {
+			slots = append(slots, strconv.Itoa(int(sl)))
+		}
+		return fmt.Sprintf("fetch req=%s round=%d keys=%s slots=%s", m.ReqID, m.Round, s.keyNames(m.Keys), strings.Join(slots, ","))
+	case wire.AbortFetch:
+		return fmt.Sprintf("abort_fetch req=%s round=%d", m.ReqID, m.Round)
 	}
 	return fmt.Sprintf("%s %+v", m.Type(), m)
+}
+
+func (s *protoScenario) keyNames(ks []wire.Key) string {
+	var out []string
+	for _, k := range ks {
+		out = append(out, s.keyName(k))
+	}
+	return strings.Join(out, ",")
 }
 
 func (s *protoScenario) keyName(k wire.Key) string {
