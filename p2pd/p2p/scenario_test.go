@@ -61,7 +61,7 @@ type protoScenario struct {
 	data  map[string]net.Listener
 	keys  []offload.Key
 	start time.Time
-	req   *offload.Request     // the consumer's request (consumer)
+	req   *offload.Request    // the consumer's request (consumer)
 	last  map[string]wire.Msg // per fake, the last lookup or abort it received
 }
 
