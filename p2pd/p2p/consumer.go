@@ -10,8 +10,7 @@ import (
 	"github.com/kvtier/kvtier/p2pd/wire"
 )
 
-// A key's state in a lookup: a producer's parked lookup and a consumer
-// request's probes.
+// A key's state in a consumer request's probes.
 const (
 	probePending int8 = iota // asked, not answered yet
 	probeHit

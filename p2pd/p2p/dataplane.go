@@ -15,6 +15,7 @@ import (
 
 	"github.com/kvtier/kvtier/offload"
 	"github.com/kvtier/kvtier/offload/crc32c"
+	"github.com/kvtier/kvtier/p2pd/p2p/protocol"
 	"github.com/kvtier/kvtier/p2pd/wire"
 )
 
@@ -50,7 +51,7 @@ type DataPlane interface {
 }
 
 // SlotPair maps a local CPU slot to a peer's.
-type SlotPair struct{ Local, Remote uint32 }
+type SlotPair = protocol.SlotPair
 
 // Data-plane errors.
 var (

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/kvtier/kvtier/offload"
+	"github.com/kvtier/kvtier/p2pd/p2p/protocol"
 	"github.com/kvtier/kvtier/p2pd/wire"
 )
 
@@ -44,12 +45,10 @@ type session struct {
 	pingSeq  uint64
 	errs     int // consecutive handler errors (S8.2)
 
-	creqs   map[string]*creq    // consumer requests by kv_request_id
-	rounds  map[roundID]*pround // rounds this node serves
-	lookups []*plookup          // peer lookups parked on pending keys
-	pins    map[uint64]*pround  // pin job → its round
-	loads   map[uint64]*load    // consumer loads by round
-	quar    []*load             // loads quarantined until the data plane proves the writer stopped
+	creqs map[string]*creq   // consumer requests by kv_request_id
+	prod  *protocol.Producer // the producer side: the peer's lookups, leases and rounds
+	loads map[uint64]*load   // consumer loads by round
+	quar  []*load            // loads quarantined until the data plane proves the writer stopped
 }
 
 // ctrlConn is one authenticated control connection with its reader and
@@ -74,14 +73,8 @@ type ctrlConn struct {
 	}
 }
 
-type roundID struct {
-	kvID  string
-	round uint64
-}
-
 func (t *Tier) newSession(dialed bool, addr string) *session {
-	s := &session{t: t, dialed: dialed, addr: addr, creqs: map[string]*creq{},
-		rounds: map[roundID]*pround{}, pins: map[uint64]*pround{}, loads: map[uint64]*load{}}
+	s := &session{t: t, dialed: dialed, addr: addr, creqs: map[string]*creq{}, prod: t.prods.New(), loads: map[uint64]*load{}}
 	t.sessions[s] = true
 	return s
 }
@@ -160,6 +153,7 @@ func (t *Tier) established(pending *session, c net.Conn, sh shaken) {
 	}
 	s = pending
 	s.peer, s.peerInc, s.peerAddr, s.peerInfo = pc.NodeID, pc.Incarnation, pc.Addr, pc.DataInfo
+	s.prod.Peer = s.peer
 	t.start(s, cc)
 	s.conn = cc
 	if err := t.dp.AddPeer(s.peer, s.peerAddr, s.peerInfo); err != nil {
@@ -457,7 +451,7 @@ func (t *Tier) handle(cc *ctrlConn, m wire.Msg) {
 	switch {
 	case err == nil:
 		s.errs = 0
-	case errors.Is(err, errProtocol) || errors.Is(err, errDuplicateFetch):
+	case errors.Is(err, errProtocol) || errors.Is(err, protocol.ErrDuplicateFetch):
 		t.protocolError(s, err.Error())
 	default:
 		s.errs++
@@ -473,15 +467,20 @@ var errProtocol = errors.New("protocol error")
 func (t *Tier) handleRole(s *session, m wire.Msg) error {
 	switch m := m.(type) {
 	case wire.Lookup:
-		return t.onLookup(s, m)
+		s.prod.Lookup(m, time.Now())
+		return nil
 	case wire.LookupResp:
 		return t.onLookupResp(s, m)
 	case wire.Fetch:
-		return t.onFetch(s, m)
+		err := s.prod.Fetch(m)
+		t.applyProd(s)
+		return err
 	case wire.TransferDone:
 		return t.onTransferDone(s, m)
 	case wire.AbortFetch:
-		return t.onAbortFetch(s, m)
+		s.prod.AbortFetch(m)
+		t.applyProd(s)
+		return nil
 	case wire.AbortAck:
 		return t.onAbortAck(s, m)
 	}
@@ -536,17 +535,10 @@ func (t *Tier) kill(s *session, reason string) {
 	if len(s.creqs) > 0 {
 		t.env.Progress() // their lookups now answer Miss (S2.10)
 	}
-	// Producer side: every pin fails (the data plane's write callbacks
-	// find the session dead and only report).
-	for _, r := range s.rounds {
-		if !r.writing {
-			t.failRound(s, r)
-		}
-	}
-	for _, l := range s.lookups {
-		t.finishOutside(l.req)
-	}
-	s.lookups = nil
+	// Producer side: every pin fails (writes in flight only report when
+	// they end).
+	s.prod.Kill()
+	t.applyProd(s)
 	loads := make([]*load, 0, len(s.loads)+len(s.quar))
 	for _, l := range s.loads {
 		loads = append(loads, l)
@@ -647,18 +639,10 @@ func (t *Tier) timeouts(s *session, now time.Time) time.Time {
 		}
 	}
 	// Producer: pins unclaimed after pin_hold are released (S6.5).
-	for id, r := range s.pins {
-		if r.writing {
-			continue
-		}
-		d := r.pinDeadline[id]
-		if !now.Before(d) {
-			t.st.pinExpiries++
-			t.pinResult(s, r, id, false)
-			continue
-		}
+	if d := s.prod.Timeouts(now); !d.IsZero() {
 		soonest(d)
 	}
+	t.applyProd(s)
 	// Liveness: pings only while work with the peer is outstanding (S6.9).
 	if s.busy() {
 		if !s.pingSent.IsZero() && !now.Before(s.pingSent.Add(time.Duration(cfg.KeepaliveTimeout))) {
@@ -686,7 +670,7 @@ func (t *Tier) timeouts(s *session, now time.Time) time.Time {
 
 // busy says whether work with the peer is outstanding.
 func (s *session) busy() bool {
-	if len(s.loads) > 0 || len(s.quar) > 0 || len(s.rounds) > 0 || len(s.lookups) > 0 {
+	if len(s.loads) > 0 || len(s.quar) > 0 || s.prod.Busy() {
 		return true
 	}
 	for _, cr := range s.creqs {

@@ -16,6 +16,7 @@ import (
 
 	"github.com/kvtier/kvtier/offload"
 	"github.com/kvtier/kvtier/p2pd/api"
+	"github.com/kvtier/kvtier/p2pd/p2p/protocol"
 	"github.com/kvtier/kvtier/p2pd/wire"
 )
 
@@ -64,21 +65,15 @@ type Tier struct {
 	st       stats
 	round    uint64              // the last consumer round (nextRound)
 	redial   map[string]*backoff // static peers not connected: when to dial again
-	// lookupSeq numbers the outside requests of served lookups.
-	lookupSeq uint64
-	// first and hitIdx are serveLookup's scratch, kept so serving a
-	// lookup allocates nothing per key (issue 12); emptied on every use.
-	first  map[offload.Key]int
-	hitIdx []int
+	prods    protocol.Producers  // what the sessions' producers share
 }
 
 type stats struct {
-	sessionsOpened, peerDeaths, protocolErrors  uint64
-	duplicates                                  uint64
-	lookupsServed, keysHit, keysMissed, fetches uint64
-	roundsOK, roundsFailed                      uint64
-	loadTimeouts, abortAcks, quarantines        uint64
-	pinExpiries, lookupTimeouts                 uint64
+	sessionsOpened, peerDeaths, protocolErrors uint64
+	duplicates                                 uint64
+	roundsOK, roundsFailed                     uint64 // as a consumer (the producers count their own)
+	loadTimeouts, abortAcks, quarantines       uint64
+	lookupTimeouts                             uint64
 }
 
 // backoff is a static peer's redial schedule: 1 s doubling to 30 s.
@@ -269,6 +264,8 @@ func New(cfg Config, node offload.Config, n Network, env offload.TierEnv) (*Tier
 	t := &Tier{cfg: cfg, node: node, env: env, log: log, net: n, blockBytes: env.Arena.SlotBytes(),
 		closing: make(chan struct{}), sessions: map[*session]bool{}, byNode: map[string]*session{},
 		byAddr: map[string]*session{}, redial: map[string]*backoff{}}
+	t.prods = protocol.Producers{Log: log, Config: protocol.ProducerConfig{LookupHold: time.Duration(cfg.LookupHold),
+		PinHold: time.Duration(cfg.PinHold), BlockBytes: t.blockBytes}}
 	t.self = wire.Hello{Version: wire.Version, Kind: wire.KindControl, NodeID: cfg.NodeID}
 	rand.Read(t.self.Incarnation[:])
 	if t.self.NodeID == "" {
@@ -594,7 +591,7 @@ func (t *Tier) Pending() bool {
 		return true
 	}
 	for s := range t.sessions {
-		if len(s.lookups) > 0 {
+		if s.prod.Parked() {
 			return true
 		}
 	}
@@ -634,7 +631,10 @@ func (t *Tier) Serve(p offload.Parent) error {
 		}
 	}
 	for s := range t.sessions {
-		t.serveLookups(s, now)
+		if !s.dead {
+			s.prod.Serve(t.p, now)
+			t.applyProd(s)
+		}
 		soonest(t.timeouts(s, now))
 	}
 	soonest(t.redials(now))
@@ -691,17 +691,8 @@ func (t *Tier) OnScheduleEnd() {
 // have not fetched yet are released, and parked peer lookups answer miss.
 func (t *Tier) OnReset() {
 	for s := range t.sessions {
-		for _, l := range s.lookups {
-			t.send(s, wire.LookupResp{ReqID: l.msg.ReqID, Round: l.msg.Round, Keys: l.msg.Keys, Hits: make([]bool, len(l.msg.Keys))})
-			t.owed = append(t.owed, l.req)
-		}
-		s.lookups = nil
-		for k, r := range s.rounds {
-			if !r.writing {
-				t.failRound(s, r)
-				delete(s.rounds, k)
-			}
-		}
+		s.prod.Reset()
+		t.applyProd(s)
 	}
 }
 
@@ -750,15 +741,15 @@ func (t *Tier) Stats() []offload.Stat {
 		{Name: "kv_offload_p2p_lookup_timeouts_total", Type: "counter", Help: "Consumer lookups not answered within lookup_timeout; their keys answered Miss.", Value: float64(t.st.lookupTimeouts)},
 		{Name: "kv_offload_p2p_peer_deaths_total", Type: "counter", Help: "Sessions ended by connection loss, keep-alive timeout, protocol error or a new incarnation.", Value: float64(t.st.peerDeaths)},
 		{Name: "kv_offload_p2p_protocol_errors_total", Type: "counter", Help: "Sessions disconnected for a protocol error.", Value: float64(t.st.protocolErrors)},
-		{Name: "kv_offload_p2p_lookups_served_total", Type: "counter", Help: "Peer lookups answered.", Value: float64(t.st.lookupsServed)},
-		{Name: "kv_offload_p2p_lookup_keys_hit_total", Type: "counter", Help: "Keys peers looked up that this node could serve.", Value: float64(t.st.keysHit)},
-		{Name: "kv_offload_p2p_lookup_keys_missed_total", Type: "counter", Help: "Keys peers looked up that this node could not serve.", Value: float64(t.st.keysMissed)},
-		{Name: "kv_offload_p2p_fetches_total", Type: "counter", Help: "Fetches received from peers.", Value: float64(t.st.fetches)},
-		{Name: "kv_offload_p2p_rounds_ok_total", Type: "counter", Help: "Rounds this node served or loaded successfully.", Value: float64(t.st.roundsOK)},
-		{Name: "kv_offload_p2p_rounds_failed_total", Type: "counter", Help: "Rounds that failed on either side.", Value: float64(t.st.roundsFailed)},
+		{Name: "kv_offload_p2p_lookups_served_total", Type: "counter", Help: "Peer lookups answered.", Value: float64(t.prods.Stats.LookupsServed)},
+		{Name: "kv_offload_p2p_lookup_keys_hit_total", Type: "counter", Help: "Keys peers looked up that this node could serve.", Value: float64(t.prods.Stats.KeysHit)},
+		{Name: "kv_offload_p2p_lookup_keys_missed_total", Type: "counter", Help: "Keys peers looked up that this node could not serve.", Value: float64(t.prods.Stats.KeysMissed)},
+		{Name: "kv_offload_p2p_fetches_total", Type: "counter", Help: "Fetches received from peers.", Value: float64(t.prods.Stats.Fetches)},
+		{Name: "kv_offload_p2p_rounds_ok_total", Type: "counter", Help: "Rounds this node served or loaded successfully.", Value: float64(t.st.roundsOK + t.prods.Stats.RoundsOK)},
+		{Name: "kv_offload_p2p_rounds_failed_total", Type: "counter", Help: "Rounds that failed on either side.", Value: float64(t.st.roundsFailed + t.prods.Stats.RoundsFailed)},
 		{Name: "kv_offload_p2p_load_timeouts_total", Type: "counter", Help: "Loads aborted after load_timeout.", Value: float64(t.st.loadTimeouts)},
 		{Name: "kv_offload_p2p_quarantines_total", Type: "counter", Help: "Loads whose abort was not acknowledged in time; their slots stayed quarantined until the data plane proved the writer stopped.", Value: float64(t.st.quarantines)},
-		{Name: "kv_offload_p2p_pin_expiries_total", Type: "counter", Help: "Pins for peers released after pin_hold unclaimed.", Value: float64(t.st.pinExpiries)},
+		{Name: "kv_offload_p2p_pin_expiries_total", Type: "counter", Help: "Pins for peers released after pin_hold unclaimed.", Value: float64(t.prods.Stats.PinExpiries)},
 	}
 	for side, by := range [2]string{"local", "peer"} {
 		for c := range wire.NumCodes {
@@ -785,7 +776,7 @@ func (t *Tier) Stats() []offload.Stat {
 func (t *Tier) Peers() []api.PeerInfo {
 	var out []api.PeerInfo
 	for s := range t.sessions {
-		out = append(out, api.PeerInfo{Node: s.peer, Addr: s.peerAddr, Ready: s.ready, Dialed: s.dialed, Requests: len(s.creqs), Rounds: len(s.rounds)})
+		out = append(out, api.PeerInfo{Node: s.peer, Addr: s.peerAddr, Ready: s.ready, Dialed: s.dialed, Requests: len(s.creqs), Rounds: s.prod.Rounds()})
 	}
 	return out
 }
@@ -797,7 +788,5 @@ func toWire(ks []offload.Key) []wire.Key {
 	}
 	return out
 }
-
-var errDuplicateFetch = errors.New("duplicate fetch for a round")
 
 var _ io.Closer = (*Tier)(nil)

@@ -164,3 +164,48 @@ func TestOneClock(t *testing.T) {
 		t.Error("no timer found in offload at all: the poll goroutine's clock is gone, or this test no longer sees it")
 	}
 }
+
+// TestProtocolMachines (issue 13): the P2P protocol's state machines
+// (p2pd/p2p/protocol) touch no socket, file or process and read no clock:
+// their I/O layer feeds them events and the time, so a second wire
+// dialect can drive them and a test can script them.
+func TestProtocolMachines(t *testing.T) {
+	dir := filepath.Join(root(t), "p2pd", "p2p", "protocol")
+	banned := func(p string) bool {
+		return p == "net" || strings.HasPrefix(p, "net/") || p == "os" || p == "os/exec" || p == "syscall" ||
+			strings.HasPrefix(p, "golang.org/x/sys")
+	}
+	clocks := []string{"Now", "Since", "Until", "Sleep", "After", "AfterFunc", "NewTimer", "NewTicker", "Tick"}
+	files := 0
+	err := filepath.WalkDir(dir, func(path string, d fs.DirEntry, err error) error {
+		if err != nil || d.IsDir() || !strings.HasSuffix(path, ".go") || strings.HasSuffix(path, "_test.go") {
+			return err
+		}
+		files++
+		fset := token.NewFileSet()
+		f, err := parser.ParseFile(fset, path, nil, 0)
+		if err != nil {
+			return err
+		}
+		for _, imp := range f.Imports {
+			if p, _ := strconv.Unquote(imp.Path.Value); banned(p) {
+				t.Errorf("%s imports %s: a protocol machine does no I/O", fset.Position(imp.Pos()), p)
+			}
+		}
+		ast.Inspect(f, func(n ast.Node) bool {
+			if sel, ok := n.(*ast.SelectorExpr); ok {
+				if pkg, ok := sel.X.(*ast.Ident); ok && pkg.Name == "time" && slices.Contains(clocks, sel.Sel.Name) {
+					t.Errorf("%s: time.%s: a protocol machine takes the time from its caller", fset.Position(sel.Pos()), sel.Sel.Name)
+				}
+			}
+			return true
+		})
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if files == 0 {
+		t.Error("no protocol machine found in p2pd/p2p/protocol")
+	}
+}

@@ -12,8 +12,8 @@ import (
 	"time"
 
 	"github.com/kvtier/kvtier/offload"
-	"github.com/kvtier/kvtier/testing/fake"
 	"github.com/kvtier/kvtier/offload/script"
+	"github.com/kvtier/kvtier/testing/fake"
 )
 
 // TestScenarios runs the scripts of testdata/ (package script), each in
