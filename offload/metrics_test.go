@@ -121,3 +121,12 @@ func TestLookupAllocs(t *testing.T) {
 		}
 	}
 }
+
+// B5, issue 13: a step ends with the service pass; a good pass allocates
+// nothing beyond the Step itself.
+func TestStepAllocs(t *testing.T) {
+	m := testManager(t, 4, nullSpec("null", Local))
+	if a := testing.AllocsPerRun(100, func() { m.Begin().OnScheduleEnd() }); a > 1 {
+		t.Errorf("an empty step allocates %v times, want at most 1 (the Step)", a)
+	}
+}

@@ -19,23 +19,29 @@ import (
 // and parked cascades are the manager's and always flushed. The error
 // joins the tiers' errors, each panic among them (S2.11).
 func (m *Manager) serviceLocked(only func(tier int) bool) (again bool, err error) {
-	pick := func(i int) bool { return only == nil || only(i) }
-	errs := []error{m.collectLocked(only)}
+	var errs []error // nil on a good pass: a step allocates nothing here (B5)
+	if e := m.collectLocked(only); e != nil {
+		errs = append(errs, e)
+	}
 	for i, t := range m.mu.tiers {
-		if srv, ok := t.(Server); ok && pick(i) {
+		if srv, ok := t.(Server); ok && (only == nil || only(i)) {
 			if e := m.serveLocked(i, srv); e != nil {
 				errs = append(errs, fmt.Errorf("tier %d (%s): %w", i, m.specs[i].Name, e))
 			}
 		}
 	}
-	errs = append(errs, m.collectLocked(only))
+	if e := m.collectLocked(only); e != nil {
+		errs = append(errs, e)
+	}
 	m.flushPromotionsLocked()
 	m.flushParkedLocked()
 	for i, t := range m.mu.tiers {
-		if p, ok := t.(Pender); ok && pick(i) {
+		if p, ok := t.(Pender); ok && (only == nil || only(i)) {
 			pending, e := m.pendingLocked(i, p)
 			again = again || pending
-			errs = append(errs, e)
+			if e != nil {
+				errs = append(errs, e)
+			}
 		}
 	}
 	return again, errors.Join(errs...)
