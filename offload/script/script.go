@@ -37,6 +37,7 @@ type Cmd struct {
 	Vals map[string]string // the key=value pairs
 	Line int               // where it is in the file
 	Pos  string            // file:line, for messages
+	used map[string]bool   // the keys a command read (Val, Lookup)
 }
 
 // Has says whether the command has the word w among its arguments.
@@ -62,10 +63,22 @@ func (c *Cmd) Words() []string {
 
 // Val returns the value of key, or def when the command has none.
 func (c *Cmd) Val(key, def string) string {
-	if v, ok := c.Vals[key]; ok {
+	if v, ok := c.Lookup(key); ok {
 		return v
 	}
 	return def
+}
+
+// Lookup returns the value of key and whether the command has it. A
+// key=value pair that no command reads through Val or Lookup is an error
+// (a misspelt argument would otherwise be ignored).
+func (c *Cmd) Lookup(key string) (string, bool) {
+	if c.used == nil {
+		c.used = map[string]bool{}
+	}
+	c.used[key] = true
+	v, ok := c.Vals[key]
+	return v, ok
 }
 
 type block struct {
@@ -100,9 +113,17 @@ func Run(t *testing.T, path string, do func(t *testing.T, c *Cmd) string) {
 // printed, and the first mismatch (unless updating) or output a script
 // cannot hold.
 func execute(blocks []block, trailing []string, updating bool, do func(c *Cmd) string) (text, diff string) {
+	if len(blocks) == 0 {
+		return "", "the script has no commands"
+	}
 	var out strings.Builder
 	for _, b := range blocks {
 		got := strings.TrimRight(do(&b.cmd), "\n")
+		for k := range b.cmd.Vals {
+			if !b.cmd.used[k] {
+				return "", fmt.Sprintf("%s: %s does not take %s=", b.cmd.Pos, b.cmd.Name, k)
+			}
+		}
 		if strings.Contains(got, "\n\n") {
 			return "", fmt.Sprintf("%s: %s printed a blank line, which a script cannot hold", b.cmd.Pos, b.cmd.Name)
 		}

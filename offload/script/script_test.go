@@ -31,8 +31,11 @@ func write(t *testing.T, text string) string {
 	return p
 }
 
-// echo prints its words, one a line when they hold key=value pairs.
+// echo prints its words, one a line when they hold key=value pairs (it
+// reads x and y).
 func echo(c *Cmd) string {
+	c.Val("x", "")
+	c.Val("y", "")
 	if len(c.Vals) > 0 {
 		return strings.Join(c.Args, "\n")
 	}
@@ -86,5 +89,15 @@ func TestBadScripts(t *testing.T) {
 	_, diff := execute(blocks, nil, false, func(*Cmd) string { return "a\n\nb" })
 	if !strings.Contains(diff, "blank line") {
 		t.Errorf("an output with a blank line: %q", diff)
+	}
+	if _, diff := execute(nil, nil, false, echo); !strings.Contains(diff, "no commands") {
+		t.Errorf("an empty script: %q", diff)
+	}
+	blocks, _, err = parse(write(t, "echo z=1\n----\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, diff := execute(blocks, nil, false, echo); !strings.Contains(diff, "echo does not take z=") {
+		t.Errorf("an argument nobody reads: %q", diff)
 	}
 }

@@ -901,7 +901,8 @@ func TestAnswerForUnaskedKeys(t *testing.T) {
 		var busy bool
 		cons.m.Do(func(*offload.Step) { // the tier's state is the manager's, under its lock
 			cr := cons.tier.creqOf(req)
-			asked, probes, busy = cr.asked, len(cr.probes), cr.s.busy()
+			asked, probes = cr.Probes()
+			busy = cr.Consumer().Busy()
 		})
 		if asked != 1 || probes != 2 || !busy {
 			t.Fatalf("after an answer with unasked keys: %d asked, %d probes, busy %v; want 1, 2, true", asked, probes, busy)

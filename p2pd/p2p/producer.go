@@ -24,7 +24,7 @@ func (t *Tier) applyProd(s *session) {
 			})
 		case protocol.CancelWrite:
 			t.dp.Cancel(s.peer, a.Round.Round)
-		case protocol.LeaseDone:
+		case protocol.JobDone:
 			t.results = append(t.results, a.Result)
 		case protocol.FinishRequest:
 			t.finishOutside(a.Req)

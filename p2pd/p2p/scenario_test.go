@@ -33,6 +33,7 @@ import (
 //	blocks F n=N                      F accepts the data connections and reads N blocks
 //	sleep D | wait                    advance the fake clock by D; wait for the bubble
 //	pins N | stat N NAME | errors N REASON
+//	sessions N                        N's sessions, and the consumers it can find a session for
 //
 // The consumer side: the node's request r fetches from a fake producer.
 //
@@ -90,7 +91,7 @@ func (s *protoScenario) do(t *testing.T, c *script.Cmd) string {
 		s.fakes[w[0]] = connectFake(t, s.mn, s.node(t, c, w[1]), w[0])
 	case "send":
 		f := s.fake(t, c, w[0])
-		req, _ := c.Vals["req"]
+		req := c.Val("req", "")
 		round, _ := strconv.ParseUint(c.Val("round", "1"), 10, 64)
 		keys := wkeys(s.keysOf(t, c, list(c.Val("keys", ""))))
 		switch w[1] {
@@ -199,6 +200,13 @@ func (s *protoScenario) do(t *testing.T, c *script.Cmd) string {
 		synctest.Wait()
 	case "wait":
 		synctest.Wait()
+	case "sessions":
+		n := s.node(t, c, w[0])
+		var out string
+		n.m.Do(func(*offload.Step) {
+			out = fmt.Sprintf("sessions %d, consumers %d", len(n.tier.sessions), len(n.tier.consOf))
+		})
+		return out
 	case "pins":
 		return strconv.Itoa(pins(s.node(t, c, w[0])))
 	case "stat":

@@ -45,10 +45,8 @@ type session struct {
 	pingSeq  uint64
 	errs     int // consecutive handler errors (S8.2)
 
-	creqs map[string]*creq   // consumer requests by kv_request_id
-	prod  *protocol.Producer // the producer side: the peer's lookups, leases and rounds
-	loads map[uint64]*load   // consumer loads by round
-	quar  []*load            // loads quarantined until the data plane proves the writer stopped
+	cons *protocol.Consumer // the consumer side: local requests fetching from the peer
+	prod *protocol.Producer // the producer side: the peer's lookups, leases and rounds
 }
 
 // ctrlConn is one authenticated control connection with its reader and
@@ -74,16 +72,10 @@ type ctrlConn struct {
 }
 
 func (t *Tier) newSession(dialed bool, addr string) *session {
-	s := &session{t: t, dialed: dialed, addr: addr, creqs: map[string]*creq{}, prod: t.prods.New(), loads: map[uint64]*load{}}
+	s := &session{t: t, dialed: dialed, addr: addr, cons: t.conss.New(), prod: t.prods.New()}
 	t.sessions[s] = true
+	t.consOf[s.cons] = s
 	return s
-}
-
-// nextRound numbers a consumer round. One counter for the whole tier, so
-// rounds stay unique when duplicate sessions merge (S6.2).
-func (t *Tier) nextRound() uint64 {
-	t.round++
-	return t.round
 }
 
 // wins says whether control connection a beats b as a duplicate (S6.1):
@@ -153,7 +145,7 @@ func (t *Tier) established(pending *session, c net.Conn, sh shaken) {
 	}
 	s = pending
 	s.peer, s.peerInc, s.peerAddr, s.peerInfo = pc.NodeID, pc.Incarnation, pc.Addr, pc.DataInfo
-	s.prod.Peer = s.peer
+	s.prod.Peer, s.cons.Peer = s.peer, s.peer
 	t.start(s, cc)
 	s.conn = cc
 	if err := t.dp.AddPeer(s.peer, s.peerAddr, s.peerInfo); err != nil {
@@ -188,17 +180,8 @@ func (t *Tier) start(s *session, cc *ctrlConn) {
 // handshake and their held messages) into the ready session of the same
 // peer: nothing was sent on its behalf yet, so nothing is lost.
 func (t *Tier) merge(s, pending *session) {
-	collided := map[string]bool{}
-	for id, cr := range pending.creqs {
-		if s.creqs[id] != nil {
-			cr.failed = true // two local requests share a kv_request_id
-			collided[id] = true
-			continue
-		}
-		cr.s = s
-		s.creqs[id] = cr
-	}
-	pending.creqs = map[string]*creq{}
+	collided := s.cons.Merge(pending.cons)
+	delete(t.consOf, pending.cons)
 	for _, m := range pending.held {
 		if l, ok := m.(wire.Lookup); ok && collided[l.ReqID] {
 			continue // the failed request's lookups: nothing will fetch them
@@ -451,7 +434,7 @@ func (t *Tier) handle(cc *ctrlConn, m wire.Msg) {
 	switch {
 	case err == nil:
 		s.errs = 0
-	case errors.Is(err, errProtocol) || errors.Is(err, protocol.ErrDuplicateFetch):
+	case errors.Is(err, errProtocol) || errors.Is(err, protocol.ErrDuplicateFetch) || errors.Is(err, protocol.ErrMalformed):
 		t.protocolError(s, err.Error())
 	default:
 		s.errs++
@@ -470,19 +453,25 @@ func (t *Tier) handleRole(s *session, m wire.Msg) error {
 		s.prod.Lookup(m, time.Now())
 		return nil
 	case wire.LookupResp:
-		return t.onLookupResp(s, m)
+		err := s.cons.LookupResp(m)
+		t.applyCons(s)
+		return err
 	case wire.Fetch:
 		err := s.prod.Fetch(m)
 		t.applyProd(s)
 		return err
 	case wire.TransferDone:
-		return t.onTransferDone(s, m)
+		err := s.cons.TransferDone(m, time.Now())
+		t.applyCons(s)
+		return err
 	case wire.AbortFetch:
 		s.prod.AbortFetch(m)
 		t.applyProd(s)
 		return nil
 	case wire.AbortAck:
-		return t.onAbortAck(s, m)
+		err := s.cons.AbortAck(m)
+		t.applyCons(s)
+		return err
 	}
 	return fmt.Errorf("%w: unexpected %v", errProtocol, m.Type())
 }
@@ -529,36 +518,15 @@ func (t *Tier) kill(s *session, reason string) {
 			t.scheduleRedial(a)
 		}
 	}
-	for _, cr := range s.creqs {
-		cr.failed = true
-	}
-	if len(s.creqs) > 0 {
-		t.env.Progress() // their lookups now answer Miss (S2.10)
-	}
+	// Consumer side: the requests fail (their lookups now answer Miss),
+	// every load fails once the peer can no longer write (S6.8).
+	s.cons.Kill(s.peer != "" && s.ready, time.Now())
+	t.applyCons(s)
+	delete(t.consOf, s.cons) // what arrives for it later carries its session
 	// Producer side: every pin fails (writes in flight only report when
 	// they end).
 	s.prod.Kill()
 	t.applyProd(s)
-	loads := make([]*load, 0, len(s.loads)+len(s.quar))
-	for _, l := range s.loads {
-		loads = append(loads, l)
-	}
-	loads = append(loads, s.quar...)
-	s.loads = map[uint64]*load{}
-	s.quar = nil
-	if s.peer == "" || !s.ready {
-		for _, l := range loads {
-			t.loadResult(l, false)
-		}
-		return
-	}
-	t.dp.RemovePeer(s.peer, func() {
-		t.post(func() {
-			for _, l := range loads {
-				t.loadResult(l, false)
-			}
-		})
-	})
 }
 
 // finishOutside tells the manager an outside request ended, now if a
@@ -595,49 +563,12 @@ func (t *Tier) timeouts(s *session, now time.Time) time.Time {
 		}
 		soonest(d)
 	}
-	// Consumer: a lookup unanswered after lookup_timeout answers Miss (S6.10).
-	for _, cr := range s.creqs {
-		if cr.askedAt.IsZero() {
-			continue
-		}
-		d := cr.askedAt.Add(cfg.lookupTimeout())
-		if !now.Before(d) {
-			t.st.lookupTimeouts++
-			t.log.Warn("p2p: lookup not answered in time; its keys miss", "peer", s.peer, "kv_request_id", cr.kvID)
-			for k, v := range cr.probes {
-				if v == probePending {
-					cr.answer(k, probeMiss)
-				}
-			}
-			cr.askedAt = time.Time{}
-			t.env.Progress()
-			continue
-		}
+	// Consumer: the lookup bound (S6.10), load timeout → abort, abort-ack
+	// timeout → quarantine (S6.6).
+	if d := s.cons.Timeouts(now); !d.IsZero() {
 		soonest(d)
 	}
-	// Consumer: load timeout → abort; abort-ack timeout → quarantine (S6.6).
-	for round, l := range s.loads {
-		switch {
-		case l.abortedAt.IsZero():
-			d := l.sent.Add(time.Duration(cfg.LoadTimeout))
-			if !now.Before(d) {
-				t.st.loadTimeouts++
-				l.abortedAt = now
-				l.cr.failed = true
-				t.env.Progress()
-				t.send(s, wire.AbortFetch{ReqID: l.cr.kvID, Round: round})
-				d = now.Add(time.Duration(cfg.AbortAckTimeout))
-			}
-			soonest(d)
-		default:
-			d := l.abortedAt.Add(time.Duration(cfg.AbortAckTimeout))
-			if !now.Before(d) {
-				t.quarantine(s, round, l)
-				continue
-			}
-			soonest(d)
-		}
-	}
+	t.applyCons(s)
 	// Producer: pins unclaimed after pin_hold are released (S6.5).
 	if d := s.prod.Timeouts(now); !d.IsZero() {
 		soonest(d)
@@ -670,15 +601,7 @@ func (t *Tier) timeouts(s *session, now time.Time) time.Time {
 
 // busy says whether work with the peer is outstanding.
 func (s *session) busy() bool {
-	if len(s.loads) > 0 || len(s.quar) > 0 || s.prod.Busy() {
-		return true
-	}
-	for _, cr := range s.creqs {
-		if cr.lookupOpen && cr.waiting() {
-			return true
-		}
-	}
-	return false
+	return s.cons.Busy() || s.prod.Busy()
 }
 
 // tryWrite writes what of f the socket takes now, without waiting, and

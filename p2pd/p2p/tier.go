@@ -63,17 +63,15 @@ type Tier struct {
 	timerAt  time.Time          // the pass last asked of the manager's clock (arm)
 	closed   bool
 	st       stats
-	round    uint64              // the last consumer round (nextRound)
 	redial   map[string]*backoff // static peers not connected: when to dial again
 	prods    protocol.Producers  // what the sessions' producers share
+	conss    protocol.Consumers  // and their consumers
+	consOf   map[*protocol.Consumer]*session
 }
 
 type stats struct {
 	sessionsOpened, peerDeaths, protocolErrors uint64
 	duplicates                                 uint64
-	roundsOK, roundsFailed                     uint64 // as a consumer (the producers count their own)
-	loadTimeouts, abortAcks, quarantines       uint64
-	lookupTimeouts                             uint64
 }
 
 // backoff is a static peer's redial schedule: 1 s doubling to 30 s.
@@ -266,6 +264,9 @@ func New(cfg Config, node offload.Config, n Network, env offload.TierEnv) (*Tier
 		byAddr: map[string]*session{}, redial: map[string]*backoff{}}
 	t.prods = protocol.Producers{Log: log, Config: protocol.ProducerConfig{LookupHold: time.Duration(cfg.LookupHold),
 		PinHold: time.Duration(cfg.PinHold), BlockBytes: t.blockBytes}}
+	t.conss = protocol.Consumers{Log: log, Config: protocol.ConsumerConfig{LookupTimeout: cfg.lookupTimeout(),
+		LoadTimeout: time.Duration(cfg.LoadTimeout), AbortAckTimeout: time.Duration(cfg.AbortAckTimeout), BlockBytes: t.blockBytes}}
+	t.consOf = map[*protocol.Consumer]*session{}
 	t.self = wire.Hello{Version: wire.Version, Kind: wire.KindControl, NodeID: cfg.NodeID}
 	rand.Read(t.self.Incarnation[:])
 	if t.self.NodeID == "" {
@@ -551,21 +552,10 @@ func (t *Tier) redials(now time.Time) time.Time {
 // every other request and for failed ones.
 func (t *Tier) Lookup(k offload.Key, req *offload.Request) offload.Result {
 	cr := t.creqOf(req)
-	if cr == nil || cr.failed || cr.finished {
+	if cr == nil {
 		return offload.Miss
 	}
-	switch v, ok := cr.probes[k]; {
-	case !ok:
-		cr.probes[k] = probeUnsent
-		cr.unsent = append(cr.unsent, k)
-		cr.peak = max(cr.peak, len(cr.probes))
-		return offload.Retry
-	case v == probeHit:
-		return offload.Hit
-	case v == probeMiss:
-		return offload.Miss
-	}
-	return offload.Retry
+	return cr.Lookup(k)
 }
 
 // SubmitStore implements offload.Tier: the P2P tier keeps nothing of its
@@ -663,27 +653,12 @@ func (t *Tier) arm(d time.Time) {
 // OnScheduleEnd implements offload.StepEnder: each consumer request's new
 // keys go to its peer in one lookup per step.
 func (t *Tier) OnScheduleEnd() {
+	now := time.Now()
 	for s := range t.sessions {
-		for _, cr := range s.creqs {
-			if len(cr.unsent) == 0 || cr.failed {
-				continue
-			}
-			if cr.round == 0 {
-				cr.round = t.nextRound()
-			}
-			if !cr.waiting() { // the lookup's bound starts (S6.10)
-				cr.askedAt = time.Now()
-				t.armBy(cr.askedAt.Add(t.cfg.lookupTimeout()))
-			}
+		if s.cons.Ask(now) {
 			t.armBy(s.lastRecv.Add(time.Duration(t.cfg.KeepaliveInterval))) // pings while it is outstanding (S6.9)
-			t.send(s, wire.Lookup{ReqID: cr.kvID, Round: cr.round, Keys: toWire(cr.unsent)})
-			for _, k := range cr.unsent {
-				cr.probes[k] = probePending
-			}
-			cr.asked += len(cr.unsent)
-			cr.unsent = cr.unsent[:0]
-			cr.lookupOpen = true
 		}
+		t.applyCons(s)
 	}
 }
 
@@ -738,17 +713,17 @@ func (t *Tier) Stats() []offload.Stat {
 		{Name: "kv_offload_p2p_handshake_cap_drops_total", Type: "counter", Help: "Connections closed unread because max_handshakes were in progress.", Value: float64(t.capDrops.Load())},
 		{Name: "kv_offload_p2p_accept_errors_total", Type: "counter", Help: "Errors of the P2P accept loop (it retries with backoff).", Value: float64(t.accept.errors.Load())},
 		{Name: "kv_offload_p2p_duplicate_connections_total", Type: "counter", Help: "Control connections to an already connected peer process; the loser of each pair retired.", Value: float64(t.st.duplicates)},
-		{Name: "kv_offload_p2p_lookup_timeouts_total", Type: "counter", Help: "Consumer lookups not answered within lookup_timeout; their keys answered Miss.", Value: float64(t.st.lookupTimeouts)},
+		{Name: "kv_offload_p2p_lookup_timeouts_total", Type: "counter", Help: "Consumer lookups not answered within lookup_timeout; their keys answered Miss.", Value: float64(t.conss.Stats.LookupTimeouts)},
 		{Name: "kv_offload_p2p_peer_deaths_total", Type: "counter", Help: "Sessions ended by connection loss, keep-alive timeout, protocol error or a new incarnation.", Value: float64(t.st.peerDeaths)},
 		{Name: "kv_offload_p2p_protocol_errors_total", Type: "counter", Help: "Sessions disconnected for a protocol error.", Value: float64(t.st.protocolErrors)},
 		{Name: "kv_offload_p2p_lookups_served_total", Type: "counter", Help: "Peer lookups answered.", Value: float64(t.prods.Stats.LookupsServed)},
 		{Name: "kv_offload_p2p_lookup_keys_hit_total", Type: "counter", Help: "Keys peers looked up that this node could serve.", Value: float64(t.prods.Stats.KeysHit)},
 		{Name: "kv_offload_p2p_lookup_keys_missed_total", Type: "counter", Help: "Keys peers looked up that this node could not serve.", Value: float64(t.prods.Stats.KeysMissed)},
 		{Name: "kv_offload_p2p_fetches_total", Type: "counter", Help: "Fetches received from peers.", Value: float64(t.prods.Stats.Fetches)},
-		{Name: "kv_offload_p2p_rounds_ok_total", Type: "counter", Help: "Rounds this node served or loaded successfully.", Value: float64(t.st.roundsOK + t.prods.Stats.RoundsOK)},
-		{Name: "kv_offload_p2p_rounds_failed_total", Type: "counter", Help: "Rounds that failed on either side.", Value: float64(t.st.roundsFailed + t.prods.Stats.RoundsFailed)},
-		{Name: "kv_offload_p2p_load_timeouts_total", Type: "counter", Help: "Loads aborted after load_timeout.", Value: float64(t.st.loadTimeouts)},
-		{Name: "kv_offload_p2p_quarantines_total", Type: "counter", Help: "Loads whose abort was not acknowledged in time; their slots stayed quarantined until the data plane proved the writer stopped.", Value: float64(t.st.quarantines)},
+		{Name: "kv_offload_p2p_rounds_ok_total", Type: "counter", Help: "Rounds this node served or loaded successfully.", Value: float64(t.conss.Stats.RoundsOK + t.prods.Stats.RoundsOK)},
+		{Name: "kv_offload_p2p_rounds_failed_total", Type: "counter", Help: "Rounds that failed on either side.", Value: float64(t.conss.Stats.RoundsFailed + t.prods.Stats.RoundsFailed)},
+		{Name: "kv_offload_p2p_load_timeouts_total", Type: "counter", Help: "Loads aborted after load_timeout.", Value: float64(t.conss.Stats.LoadTimeouts)},
+		{Name: "kv_offload_p2p_quarantines_total", Type: "counter", Help: "Loads whose abort was not acknowledged in time; their slots stayed quarantined until the data plane proved the writer stopped.", Value: float64(t.conss.Stats.Quarantines)},
 		{Name: "kv_offload_p2p_pin_expiries_total", Type: "counter", Help: "Pins for peers released after pin_hold unclaimed.", Value: float64(t.prods.Stats.PinExpiries)},
 	}
 	for side, by := range [2]string{"local", "peer"} {
@@ -776,7 +751,7 @@ func (t *Tier) Stats() []offload.Stat {
 func (t *Tier) Peers() []api.PeerInfo {
 	var out []api.PeerInfo
 	for s := range t.sessions {
-		out = append(out, api.PeerInfo{Node: s.peer, Addr: s.peerAddr, Ready: s.ready, Dialed: s.dialed, Requests: len(s.creqs), Rounds: s.prod.Rounds()})
+		out = append(out, api.PeerInfo{Node: s.peer, Addr: s.peerAddr, Ready: s.ready, Dialed: s.dialed, Requests: s.cons.Requests(), Rounds: s.prod.Rounds()})
 	}
 	return out
 }

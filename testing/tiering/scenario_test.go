@@ -177,10 +177,10 @@ func (s *scenario) manager(t *testing.T, c *script.Cmd) string {
 		s.tiers = append(s.tiers, tier)
 	}
 	s.h = newHarness(t, slots, func(cfg *offload.Config) {
-		if v, ok := c.Vals["poll"]; ok {
+		if v, ok := c.Lookup("poll"); ok {
 			cfg.TierPollInterval = offload.Duration(duration(t, c, v))
 		}
-		if v, ok := c.Vals["hit_timeout"]; ok {
+		if v, ok := c.Lookup("hit_timeout"); ok {
 			cfg.HitPendingTimeout = offload.Duration(duration(t, c, v))
 		}
 	}, s.tiers...)

@@ -11,8 +11,12 @@ import (
 	"github.com/kvtier/kvtier/p2pd/wire"
 )
 
-// ErrDuplicateFetch is a second fetch for a round: a protocol error.
-var ErrDuplicateFetch = errors.New("duplicate fetch for a round")
+// Protocol errors: the peer broke the protocol (S8.1), and the session
+// ends.
+var (
+	ErrDuplicateFetch = errors.New("duplicate fetch for a round")
+	ErrMalformed      = errors.New("malformed frame")
+)
 
 // ProducerConfig bounds the producer's waits (S6.3, S6.5).
 type ProducerConfig struct {
@@ -225,6 +229,9 @@ func (p *Producer) serve(parent offload.Parent, l *lookup, now time.Time) bool {
 // a protocol error (S6.8).
 func (p *Producer) Fetch(m wire.Fetch) error {
 	p.ps.Stats.Fetches++
+	if len(m.Slots) != len(m.Keys) {
+		return fmt.Errorf("%w: a fetch of %d keys into %d slots", ErrMalformed, len(m.Keys), len(m.Slots))
+	}
 	if len(m.Keys) == 0 {
 		for id, r := range p.rounds {
 			if id.KVID == m.ReqID && !r.writing {
@@ -412,7 +419,7 @@ func (p *Producer) leaseDone(r *round, id uint64, ok bool) {
 	if ok {
 		res.Bytes = int64(len(job.Keys) * p.ps.Config.BlockBytes)
 	}
-	p.emit(LeaseDone{res})
+	p.emit(JobDone{res})
 	if len(r.jobs) == 0 && !r.writing && p.rounds[r.id] == r {
 		delete(p.rounds, r.id)
 	}

@@ -118,7 +118,7 @@ func TestProducerRound(t *testing.T) {
 	}
 	want(t, p)
 	p.WriteDone(RoundID{"kv", 1}, nil)
-	want(t, p, "send transfer_done", "LeaseDone {Result:{ID:1 OK:true Succeeded:[] Bytes:4096")
+	want(t, p, "send transfer_done", "JobDone {Result:{ID:1 OK:true Succeeded:[] Bytes:4096")
 	if p.Busy() || ps.Stats.RoundsOK != 1 || ps.Stats.LookupsServed != 1 || ps.Stats.KeysHit != 1 || ps.Stats.KeysMissed != 1 {
 		t.Errorf("busy %v, stats %+v", p.Busy(), ps.Stats)
 	}
@@ -138,14 +138,43 @@ func TestProducerExpiryAndDeath(t *testing.T) {
 		t.Errorf("next pin deadline %v, want pin_hold after the lookup", next)
 	}
 	p.Timeouts(t0.Add(30 * time.Second))
-	want(t, p, "LeaseDone {Result:{ID:1 OK:false")
+	want(t, p, "JobDone {Result:{ID:1 OK:false")
 	if ps.Stats.PinExpiries != 1 || p.Busy() {
 		t.Errorf("pin expiries %d, busy %v", ps.Stats.PinExpiries, p.Busy())
 	}
 	p.Lookup(wire.Lookup{ReqID: "b", Round: 1, Keys: []wire.Key{key(1), key(2)}}, t0)
 	p.Serve(par, t0) // k1 leased, k2 parked
 	p.Kill()
-	want(t, p, "FinishRequest", "LeaseDone {Result:{ID:2 OK:false")
+	want(t, p, "FinishRequest", "JobDone {Result:{ID:2 OK:false")
 	p.Serve(par, t0.Add(time.Minute))
 	want(t, p)
+}
+
+// A second wire dialect may hand the machine any frame: a fetch whose
+// slots do not match its keys is a protocol error, not a panic.
+func TestProducerMalformedFetch(t *testing.T) {
+	ps := &Producers{Config: ProducerConfig{LookupHold: time.Second, PinHold: time.Second, BlockBytes: 1}}
+	p := ps.New()
+	err := p.Fetch(wire.Fetch{ReqID: "kv", Round: 1, Keys: []wire.Key{key(1), key(2)}, Slots: []uint32{0}})
+	if !errors.Is(err, ErrMalformed) {
+		t.Errorf("a fetch of 2 keys into 1 slot: %v, want ErrMalformed", err)
+	}
+}
+
+// Take hands over its slice: a handler that feeds the machine again while
+// it carries actions out loses none of them.
+func TestTakeReentry(t *testing.T) {
+	ps := &Producers{Config: ProducerConfig{LookupHold: time.Second, PinHold: time.Second, BlockBytes: 1}}
+	p := ps.New()
+	p.AbortFetch(wire.AbortFetch{ReqID: "a", Round: 1})
+	p.AbortFetch(wire.AbortFetch{ReqID: "b", Round: 1})
+	n := 0
+	for range p.Take() {
+		n++
+		p.AbortFetch(wire.AbortFetch{ReqID: "c", Round: 1}) // a handler feeding it again
+		p.Take()
+	}
+	if n != 2 {
+		t.Errorf("carried out %d of 2 actions", n)
+	}
 }

@@ -7,8 +7,9 @@
 // imports no net), so a second wire dialect can drive the same machines
 // and a test can script them.
 //
-// So far the producer side (Producer, issue 13's first machine); the
-// session and consumer machines are still methods of p2p.Tier.
+// So far the producer (Producer) and consumer (Consumer) sides of a
+// session; the session machine (handshake, liveness) is still methods of
+// p2p.Tier.
 package protocol
 
 import (
@@ -41,9 +42,9 @@ type StartWrite struct {
 // CancelWrite stops a round's write; its WriteDone follows.
 type CancelWrite struct{ Round RoundID }
 
-// LeaseDone hands the manager the result of a lease (pins held for the
-// peer, offload.Parent.Lease).
-type LeaseDone struct{ Result offload.JobResult }
+// JobDone hands the manager a job's result: a lease the producer held
+// for the peer (offload.Parent.Lease), or a consumer's load.
+type JobDone struct{ Result offload.JobResult }
 
 // FinishRequest tells the manager an outside request (a served lookup's)
 // ended: offload.Parent.OnRequestFinished, now or at the next Serve.
@@ -52,19 +53,19 @@ type FinishRequest struct{ Req *offload.Request }
 func (SendFrame) isAction()     {}
 func (StartWrite) isAction()    {}
 func (CancelWrite) isAction()   {}
-func (LeaseDone) isAction()     {}
+func (JobDone) isAction()       {}
 func (FinishRequest) isAction() {}
 
 // outbox collects a machine's actions; Take hands them over.
-type outbox struct{ out, spare []Action }
+type outbox struct{ out []Action }
 
 func (o *outbox) emit(a Action) { o.out = append(o.out, a) }
 
-// Take returns the actions emitted since the last Take, in order. The
-// slice is valid until the next Take.
+// Take returns the actions emitted since the last Take, in order; the
+// slice is the caller's (a handler may feed the machine again while it
+// carries them out).
 func (o *outbox) Take() []Action {
 	a := o.out
-	clear(o.spare)
-	o.out, o.spare = o.spare[:0], a
+	o.out = nil
 	return a
 }
