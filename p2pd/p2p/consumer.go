@@ -93,31 +93,13 @@ func (t *Tier) applyCons(s *session) {
 			t.send(s, a.Msg)
 		case protocol.ExpectBlocks:
 			round := a.Round
-			t.dp.Expect(s.peer, round, a.Slots, func(err error) {
-				t.post(func() {
-					s.cons.BlocksArrived(round, err, time.Now())
-					t.applyCons(s)
-				})
-			})
+			t.dp.Expect(s.peer, round, a.Slots, func(err error) { t.post(blocksArrived{s, round, err}) })
 		case protocol.Unexpect:
 			round := a.Round
-			t.dp.Unexpect(s.peer, round, func() {
-				t.post(func() {
-					s.cons.Unexpected(round, time.Now())
-					t.applyCons(s)
-				})
-			})
+			t.dp.Unexpect(s.peer, round, func() { t.post(unexpected{s, round}) })
 		case protocol.RemovePeer:
-			peer, addr, info := s.peer, s.peerAddr, s.peerInfo
-			t.dp.RemovePeer(peer, func() {
-				t.post(func() {
-					s.cons.PeerRemoved(time.Now())
-					t.applyCons(s)
-					if !s.dead { // a quarantine: the peer stays
-						t.dp.AddPeer(peer, addr, info)
-					}
-				})
-			})
+			e := peerRemoved{s, s.peer, s.peerAddr, s.peerInfo}
+			t.dp.RemovePeer(e.peer, func() { t.post(e) })
 		case protocol.Progress:
 			t.env.Progress()
 		case protocol.WakeAt:

@@ -16,12 +16,7 @@ func (t *Tier) applyProd(s *session) {
 			t.send(s, a.Msg)
 		case protocol.StartWrite:
 			id := a.Round
-			t.dp.Write(s.peer, id.Round, a.Pairs, func(err error) {
-				t.post(func() {
-					s.prod.WriteDone(id, err)
-					t.applyProd(s)
-				})
-			})
+			t.dp.Write(s.peer, id.Round, a.Pairs, func(err error) { t.post(writeDone{s, id, err}) })
 		case protocol.CancelWrite:
 			t.dp.Cancel(s.peer, a.Round.Round)
 		case protocol.JobDone:

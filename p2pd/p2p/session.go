@@ -285,10 +285,10 @@ func (t *Tier) reader(cc *ctrlConn) {
 			m, err = wire.Decode(p)
 		}
 		if err != nil {
-			t.post(func() { t.connLost(cc, err) })
+			t.post(connClosed{cc, err})
 			return
 		}
-		t.post(func() { t.handle(cc, m) })
+		t.post(frameReceived{cc, m})
 	}
 }
 
@@ -308,7 +308,7 @@ func (t *Tier) writer(cc *ctrlConn) {
 		for _, f := range frames {
 			if _, err := cc.c.Write(f); err != nil {
 				cc.c.Close()
-				t.post(func() { t.connLost(cc, err) })
+				t.post(connClosed{cc, err})
 				return
 			}
 		}
@@ -372,7 +372,7 @@ func (t *Tier) connLost(cc *ctrlConn, err error) {
 func (t *Tier) sendNow(s *session, m wire.Msg) {
 	if s.conn != nil && !s.conn.queue(wire.Append(nil, m)) {
 		t.log.Warn("p2p: peer does not read its control connection; dropping it", "peer", s.peer, "queued_limit", maxQueued)
-		t.post(func() { t.kill(s, "send queue full") })
+		t.post(sendQueueFull{s})
 	}
 }
 

@@ -50,7 +50,7 @@ type Tier struct {
 
 	ev struct {
 		sync.Mutex
-		q []func()
+		q []event
 	}
 
 	// Everything below is touched only under the manager lock.
@@ -335,11 +335,11 @@ func (t *Tier) Addr() string { return t.addr }
 // NodeID is this node's id.
 func (t *Tier) NodeID() string { return t.self.NodeID }
 
-// post queues fn to run under the manager lock and wakes the poll
+// post queues e to be applied under the manager lock and wakes the poll
 // goroutine. Socket goroutines call it; it never blocks for long.
-func (t *Tier) post(fn func()) {
+func (t *Tier) post(e event) {
 	t.ev.Lock()
-	t.ev.q = append(t.ev.q, fn)
+	t.ev.q = append(t.ev.q, e)
 	t.ev.Unlock()
 	t.env.Wake()
 }
@@ -450,7 +450,7 @@ func (t *Tier) serveConn(c net.Conn) {
 		return
 	}
 	c.SetDeadline(time.Time{})
-	t.post(func() { t.established(nil, c, sh) })
+	t.post(accepted{c, sh})
 }
 
 // handshakeFailed counts and logs (rate-limited) a handshake that failed.
@@ -492,13 +492,7 @@ func (t *Tier) dial(addr string) *session {
 				c.SetDeadline(time.Time{})
 			}
 		}
-		t.post(func() {
-			if err != nil {
-				t.kill(s, fmt.Sprintf("dialling %s: %v", addr, err))
-				return
-			}
-			t.established(s, c, sh)
-		})
+		t.post(dialled{s, addr, c, sh, err})
 	})
 	return s
 }
@@ -609,8 +603,8 @@ func (t *Tier) Serve(p offload.Parent) error {
 		if len(q) == 0 {
 			break
 		}
-		for _, fn := range q {
-			fn()
+		for _, e := range q {
+			e.apply(t)
 		}
 	}
 	now := time.Now()
@@ -692,8 +686,8 @@ func (t *Tier) Close() error {
 	q := t.ev.q
 	t.ev.q = nil
 	t.ev.Unlock()
-	for _, fn := range q {
-		fn()
+	for _, e := range q {
+		e.apply(t)
 	}
 	return err
 }
