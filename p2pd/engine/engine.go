@@ -120,6 +120,7 @@ type Engine struct {
 	running, queued atomic.Int32
 
 	// loop-owned
+	stopped         <-chan struct{} // Run's ctx: when it ends, the engine shuts down at once
 	waiting, active []*job
 	free            []int32
 	pause           *pauseCmd
@@ -251,13 +252,38 @@ func (e *Engine) Resume() error {
 	return e.command(c, c.reply)
 }
 
-// Shutdown stops admitting, lets running requests finish within grace,
-// aborts what is left, and stops the loop (S5.5).
-func (e *Engine) Shutdown(grace time.Duration) error {
-	c := &shutdownCmd{deadline: time.Now().Add(grace), reply: make(chan error, 1)}
-	err := e.command(c, c.reply)
-	<-e.done
-	return err
+// Shutdown stops admitting, lets running requests finish until ctx ends
+// (its deadline, or its cancellation), aborts what is left, and returns
+// once Run returned (S5.5), in the style of net/http.Server.Shutdown. A
+// ctx that never ends lets every running request finish.
+func (e *Engine) Shutdown(ctx context.Context) error {
+	deadline, ok := ctx.Deadline()
+	if !ok {
+		deadline = time.Now().Add(100 * 365 * 24 * time.Hour)
+	}
+	c := &shutdownCmd{deadline: deadline, reply: make(chan error, 1)}
+	select {
+	case e.inbox <- c:
+	case <-e.done:
+		return nil
+	}
+	cancelled := ctx.Done()
+	for {
+		select {
+		case err := <-c.reply:
+			<-e.done
+			return err
+		case <-e.done:
+			return nil
+		case <-cancelled: // cancelled before its deadline: abort now
+			cancelled = nil
+			now := &shutdownCmd{deadline: time.Now(), reply: make(chan error, 1)}
+			select {
+			case e.inbox <- now:
+			case <-e.done:
+			}
+		}
+	}
 }
 
 func (e *Engine) command(c any, reply chan error) error {

@@ -41,9 +41,11 @@ func newEngineWith(t *testing.T, slots, gpu int, x func(*offload.Manager) Execut
 	if err != nil {
 		t.Fatal(err)
 	}
-	go e.Run()
+	go e.Run(context.Background())
 	t.Cleanup(func() {
-		e.Shutdown(time.Second)
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		defer cancel()
+		e.Shutdown(ctx)
 		e.Close()
 		m.Close()
 	})
@@ -299,5 +301,43 @@ func TestExecutorReplaceable(t *testing.T) {
 	}
 	if b := e.Backend(); b != "host" {
 		t.Errorf("Backend() = %q, the executor's", b)
+	}
+}
+
+// Lifecycle in the net/http.Server style (issue 13): Run ends when its
+// context ends (the engine shuts down at once), after which requests are
+// refused; Shutdown with a context that never ends returns once the loop
+// stopped.
+func TestRunContext(t *testing.T) {
+	cfg := offload.DefaultConfig()
+	cfg.Geometry = offload.Geometries["tiny"]
+	cfg.CPUHugePages = false
+	cfg.CPUBytes = int64(8 * cfg.Geometry.BlockBytes())
+	m, err := offload.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	e, err := New(m, Config{GPUBlocks: 8, Backend: "host"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	go e.Run(ctx)
+	if _, err := e.Submit(context.Background(), Request{ID: "a", Tokens: tokens(1, 16)}); err != nil {
+		t.Fatal(err)
+	}
+	cancel()
+	select {
+	case <-e.Done():
+	case <-time.After(10 * time.Second): // a bound on a hang, not a wait for the result
+		t.Fatal("Run did not return after its context ended")
+	}
+	if _, err := e.Submit(context.Background(), Request{ID: "b", Tokens: tokens(2, 16)}); !errors.Is(err, ErrShuttingDown) {
+		t.Errorf("a request after Run ended: %v, want ErrShuttingDown", err)
+	}
+	if err := e.Shutdown(context.Background()); err != nil {
+		t.Errorf("Shutdown after Run ended: %v", err)
 	}
 }

@@ -14,9 +14,11 @@ import (
 	"github.com/kvtier/kvtier/p2pd/api"
 )
 
-// Run is the scheduler loop; it returns after Shutdown.
-func (e *Engine) Run() {
+// Run is the scheduler loop; it returns after Shutdown, or once ctx
+// ended and the requests it aborted were released.
+func (e *Engine) Run(ctx context.Context) {
 	defer close(e.done)
+	e.stopped = ctx.Done()
 	for {
 		e.step()
 		if e.finishCommands() {
@@ -64,6 +66,9 @@ func (e *Engine) sleep() {
 	case <-e.wake:
 	case <-e.m.Progress():
 	case <-timer:
+	case <-e.stopped:
+		e.stopped = nil
+		e.handle(&shutdownCmd{deadline: time.Now(), reply: make(chan error, 1)})
 	}
 	e.drain()
 }
@@ -156,7 +161,10 @@ func (e *Engine) handle(msg any) {
 			c.reply <- fmt.Errorf("%w: resume while %v", ErrBadState, e.State())
 		}
 	case *shutdownCmd:
-		if e.shutdown != nil {
+		if e.shutdown != nil { // a second one may only bring the deadline forward
+			if c.deadline.Before(e.shutdown.deadline) {
+				e.shutdown.deadline = c.deadline
+			}
 			c.reply <- nil
 			return
 		}

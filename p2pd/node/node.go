@@ -71,9 +71,9 @@ func Start(cfg Config, log *slog.Logger) (*Node, error) {
 		m.Close()
 		return nil, err
 	}
-	go n.Eng.Run()
+	go n.Eng.Run(context.Background()) // stopped by Shutdown
 	if err := n.listen(); err != nil {
-		n.Eng.Shutdown(0)
+		n.Eng.Shutdown(canceled())
 		n.Eng.Close()
 		m.Close()
 		return nil, err
@@ -147,19 +147,27 @@ func (n *Node) AdminAddrs() []string {
 	return out
 }
 
+// canceled is a context that has ended: a shutdown with no grace.
+func canceled() context.Context {
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	return ctx
+}
+
 // ShutdownRequested receives the grace of a shutdown asked for through
 // the API.
 func (n *Node) ShutdownRequested() <-chan time.Duration { return n.stop }
 
 // Shutdown stops the node (S5.5): no new requests (503), running ones
-// finish within grace (then are aborted), the poll goroutine stops, tiers
-// drain and peers get a goodbye. The admin API answers status until the
-// end. It is idempotent.
-func (n *Node) Shutdown(grace time.Duration) error {
+// finish until ctx ends (then are aborted), the poll goroutine stops,
+// tiers drain and peers get a goodbye. The admin API answers status until
+// the end. It is idempotent.
+func (n *Node) Shutdown(ctx context.Context) error {
 	var err error
 	n.once.Do(func() {
-		n.log.Info("shutting down", "grace", grace)
-		errs := []error{n.Eng.Shutdown(grace), n.Eng.Close()}
+		d, _ := ctx.Deadline()
+		n.log.Info("shutting down", "grace", time.Until(d).Round(time.Millisecond))
+		errs := []error{n.Eng.Shutdown(ctx), n.Eng.Close()}
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		errs = append(errs, n.srv.Shutdown(ctx))
 		cancel()

@@ -66,7 +66,7 @@ func startNode(t *testing.T, cfg Config) (*Node, *syncBuffer) {
 	if err != nil {
 		t.Fatalf("Start: %v", err)
 	}
-	t.Cleanup(func() { n.Shutdown(0) })
+	t.Cleanup(func() { n.Shutdown(canceled()) })
 	return n, logs
 }
 
@@ -112,7 +112,7 @@ func TestAdminSocketNotTakenOver(t *testing.T) {
 	if s, err := status(t, cfg.Admin); err != nil || s.Node != first.P2P.NodeID() {
 		t.Errorf("the first daemon no longer answers on its socket: %+v, %v", s, err)
 	}
-	first.Shutdown(0)
+	first.Shutdown(canceled())
 	if _, err := os.Lstat(cfg.Admin); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("the socket survived its daemon's exit: %v", err)
 	}
@@ -177,7 +177,7 @@ func TestClusterTokenFile(t *testing.T) {
 			cfg.ClusterTokenFile = path
 			n, err := Start(cfg, slog.New(slog.DiscardHandler))
 			if err == nil {
-				n.Shutdown(0)
+				n.Shutdown(canceled())
 			}
 			if !errors.Is(err, offload.ErrConfig) || !strings.Contains(err.Error(), "cluster_token_file") {
 				t.Errorf("Start: %v, want ErrConfig naming cluster_token_file", err)

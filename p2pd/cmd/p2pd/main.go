@@ -4,6 +4,7 @@
 package main
 
 import (
+	"context"
 	"errors"
 	"expvar"
 	"flag"
@@ -53,7 +54,9 @@ func run() int {
 	case grace = <-n.ShutdownRequested():
 	}
 	done := make(chan error, 1)
-	go func() { done <- n.Shutdown(grace) }()
+	ctx, cancel := context.WithTimeout(context.Background(), grace)
+	defer cancel()
+	go func() { done <- n.Shutdown(ctx) }()
 	select {
 	case err := <-done:
 		if err != nil {
