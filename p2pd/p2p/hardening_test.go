@@ -887,30 +887,3 @@ func TestQueueDirectWriteKeepsOrder(t *testing.T) {
 	}
 }
 
-// An answer naming keys the consumer never asked changes nothing: the
-// asked key still waits, so the lookup's own bound (S6.10) still fires
-// and turns it into a miss, and the unasked keys leave no state.
-func TestAnswerForUnaskedKeys(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
-		mn := newMemNet()
-		cons, req, f, lk := consumerSetup(t, mn, testKeys(1, 2))
-		ks := append(lk.Keys[1:2:2], wkeys(testKeys(50, 2))...) // the second key, and two never asked
-		f.send(wire.LookupResp{ReqID: lk.ReqID, Round: lk.Round, Keys: ks, Hits: make([]bool, len(ks))})
-		synctest.Wait()
-		var asked, probes int
-		var busy bool
-		cons.m.Do(func(*offload.Step) { // the tier's state is the manager's, under its lock
-			cr := cons.tier.creqOf(req)
-			asked, probes = cr.Probes()
-			busy = cr.Consumer().Busy()
-		})
-		if asked != 1 || probes != 2 || !busy {
-			t.Fatalf("after an answer with unasked keys: %d asked, %d probes, busy %v; want 1, 2, true", asked, probes, busy)
-		}
-		time.Sleep(cons.tier.cfg.lookupTimeout() + time.Second)
-		synctest.Wait()
-		if v := stat(cons, "kv_offload_p2p_lookup_timeouts_total"); v != 1 {
-			t.Fatalf("%v lookup timeouts, want 1: the first key's lookup went unbounded", v)
-		}
-	})
-}

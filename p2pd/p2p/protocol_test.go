@@ -9,7 +9,6 @@ import (
 	"net"
 	"testing"
 	"testing/synctest"
-	"time"
 
 	"github.com/kvtier/kvtier/offload"
 	"github.com/kvtier/kvtier/offload/crc32c"
@@ -126,43 +125,6 @@ func step(n *node, req *offload.Request, keys []offload.Key) []offload.Result {
 	return out
 }
 
-// S5.1: a reset during a parked peer lookup answers it miss at once and
-// releases the pins held for peers.
-func TestResetDuringLookup(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
-		mn := newMemNet()
-		prod := newNode(t, mn, nil, 16)
-		keys := testKeys(1, 2)
-		prod.store(t, keys[:1])
-		w := &offload.Request{ID: "w"}
-		prod.m.Do(func(s *offload.Step) {
-			s.OnNewRequest(w)
-			s.PrepareStore(keys[1:], w)
-		})
-		f := connectFake(t, mn, prod, "fake")
-		f.send(wire.Lookup{ReqID: "kv", Round: 1, Keys: wkeys(keys)})
-		synctest.Wait()
-		if n := pins(prod); n != 1 {
-			t.Fatalf("%d pins while the lookup is parked, want 1", n)
-		}
-		done := make(chan error)
-		go func() { done <- prod.m.ResetCache(context.Background()) }()
-		resp := expect[wire.LookupResp](t, f)
-		if resp.Hits[0] || resp.Hits[1] {
-			t.Errorf("hits %v during a reset, want misses", resp.Hits)
-		}
-		// The writer's store is still in flight: finish it so the reset ends.
-		prod.m.Do(func(s *offload.Step) { s.CompleteStore(keys[1:], w, true) })
-		if err := <-done; err != nil {
-			t.Fatal(err)
-		}
-		synctest.Wait()
-		if n := pins(prod); n != 0 {
-			t.Errorf("%d pins after the reset", n)
-		}
-	})
-}
-
 // S6.1: a mismatched handshake (here the hash seed) is rejected with a
 // code both sides see; a configured cluster token must be proven.
 func TestHandshakeRejects(t *testing.T) {
@@ -201,68 +163,6 @@ func TestHandshakeRejects(t *testing.T) {
 			})
 		})
 	}
-}
-
-// S6.8: the producer's connection drops mid-transfer: the consumer's load
-// fails, the request answers Miss, and no slot stays reserved.
-func TestPeerDeathMidTransfer(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
-		mn := newMemNet()
-		keys := testKeys(1, 1)
-		cons, req, f, lk := consumerSetup(t, mn, keys)
-		f.send(wire.LookupResp{ReqID: lk.ReqID, Round: lk.Round, Keys: lk.Keys, Hits: []bool{true}})
-		synctest.Wait()
-		step(cons, req, keys)
-		expect[wire.Fetch](t, f)
-		f.c.Close()
-		synctest.Wait()
-		if r := step(cons, req, keys); r[0] != offload.Miss {
-			t.Errorf("after the peer died: %v, want miss", r[0])
-		}
-		m := cons.m.Metrics()
-		if m.CPU.Writing != 0 || len(cons.m.Audit(0)) != 0 {
-			t.Errorf("after the peer died: %d slots writing, pins %v", m.CPU.Writing, cons.m.Audit(0))
-		}
-		if v := stat(cons, "kv_offload_p2p_peer_deaths_total"); v != 1 {
-			t.Errorf("peer deaths %v, want 1", v)
-		}
-	})
-}
-
-// S6.9: an idle session costs nothing: no ping in an hour. While work is
-// outstanding the node pings every keepalive_interval, and a peer that
-// stops answering is dead after keepalive_timeout (S6.8): its pins go.
-func TestKeepalive(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
-		mn := newMemNet()
-		prod := newNode(t, mn, nil, 16)
-		keys := testKeys(1, 1)
-		prod.store(t, keys)
-		f := connectFake(t, mn, prod, "fake")
-		time.Sleep(time.Hour)
-		synctest.Wait()
-		if n := f.Pings(); n != 0 {
-			t.Errorf("%d pings on an idle session", n)
-		}
-		f.mu.Lock()
-		f.Mute = true
-		f.mu.Unlock()
-		f.send(wire.Lookup{ReqID: "kv", Round: 1, Keys: wkeys(keys)})
-		expect[wire.LookupResp](t, f) // pins held: work outstanding
-		time.Sleep(2*time.Second + time.Millisecond)
-		synctest.Wait()
-		if n := f.Pings(); n != 1 {
-			t.Errorf("%d pings after keepalive_interval with work outstanding, want 1", n)
-		}
-		time.Sleep(10 * time.Second)
-		synctest.Wait()
-		if v := stat(prod, "kv_offload_p2p_peer_deaths_total"); v != 1 {
-			t.Errorf("peer deaths %v after the keep-alive timeout, want 1", v)
-		}
-		if n := pins(prod); n != 0 {
-			t.Errorf("%d pins left after the peer died", n)
-		}
-	})
 }
 
 // S7.1: the consumer accepts blocks only for (round, slot) pairs it

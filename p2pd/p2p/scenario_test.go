@@ -1,6 +1,7 @@
 package p2p
 
 import (
+	"context"
 	"fmt"
 	"net"
 	"path/filepath"
@@ -27,13 +28,16 @@ import (
 //	store N K… | write N K…           blocks ready in N's CPU tier, or being written (never completed)
 //	listen F                          F's data port, which the node dials to write blocks
 //	connect F N                       fake peer F connects to node N and completes the handshake
-//	send F lookup|fetch|abort req=R round=N [keys=K,…] [slots=S,…]
+//	send F lookup|fetch|abort|lookup_resp req=R round=N [keys=K,…] [slots=S,…] [hits=1,0,…]
 //	recv F                            the next message the node sent F
 //	idle F                            whether nothing waits for F
 //	blocks F n=N                      F accepts the data connections and reads N blocks
 //	sleep D | wait                    advance the fake clock by D; wait for the bubble
 //	pins N | stat N NAME | errors N REASON
 //	sessions N                        N's sessions, and the consumers it can find a session for
+//	complete N K…                     the store that "write" began finishes
+//	reset N | reset-done N            a cache reset starts (it may wait on transfers); its end
+//	close F | mute F | pings F        F's control connection drops; F stops answering pings; pings F got
 //
 // The consumer side: the node's request r fetches from a fake producer.
 //
@@ -43,6 +47,7 @@ import (
 //	ack F                             F acknowledges the last abort it received
 //	finish N                          r finishes on N
 //	cpu N                             N's CPU slots being written, and P2P promotion failures
+//	probes N                          r's keys asked and unanswered, the keys it tracks, whether the peer is busy
 func TestScenarios(t *testing.T) {
 	for _, path := range script.Files(t, "testdata") {
 		t.Run(strings.TrimSuffix(filepath.Base(path), ".txt"), func(t *testing.T) {
@@ -64,6 +69,7 @@ type protoScenario struct {
 	start time.Time
 	req   *offload.Request    // the consumer's request (consumer)
 	last  map[string]wire.Msg // per fake, the last lookup or abort it received
+	reset chan error          // a reset in progress (reset, reset-done)
 }
 
 func (s *protoScenario) do(t *testing.T, c *script.Cmd) string {
@@ -109,6 +115,13 @@ func (s *protoScenario) do(t *testing.T, c *script.Cmd) string {
 			f.send(wire.Fetch{ReqID: req, Round: round, Keys: keys, Slots: slots})
 		case "abort":
 			f.send(wire.AbortFetch{ReqID: req, Round: round})
+		case "lookup_resp": // any answer, asked for or not (reply answers the last lookup)
+			var hits []bool
+			for _, h := range list(c.Val("hits", "")) {
+				hits = append(hits, h == "1")
+			}
+			f.send(wire.LookupResp{ReqID: req, Round: round, Keys: keys, Hits: hits})
+			synctest.Wait()
 		default:
 			t.Fatalf("%s: cannot send %q", c.Pos, w[1])
 		}
@@ -205,6 +218,39 @@ func (s *protoScenario) do(t *testing.T, c *script.Cmd) string {
 		var out string
 		n.m.Do(func(*offload.Step) {
 			out = fmt.Sprintf("sessions %d, consumers %d", len(n.tier.sessions), len(n.tier.consOf))
+		})
+		return out
+	case "complete":
+		n := s.node(t, c, w[0])
+		n.m.Do(func(st *offload.Step) { st.CompleteStore(s.keysOf(t, c, w[1:]), &offload.Request{ID: "w"}, true) })
+		synctest.Wait()
+	case "reset":
+		n := s.node(t, c, w[0])
+		s.reset = make(chan error, 1)
+		go func() { s.reset <- n.m.ResetCache(context.Background()) }()
+		synctest.Wait()
+	case "reset-done":
+		if err := <-s.reset; err != nil {
+			return "reset: " + err.Error()
+		}
+		synctest.Wait()
+		return "reset done"
+	case "close":
+		s.fake(t, c, w[0]).c.Close()
+		synctest.Wait()
+	case "mute":
+		f := s.fake(t, c, w[0])
+		f.mu.Lock()
+		f.Mute = true
+		f.mu.Unlock()
+	case "pings":
+		return strconv.Itoa(s.fake(t, c, w[0]).Pings())
+	case "probes":
+		n := s.node(t, c, w[0])
+		var out string
+		n.m.Do(func(*offload.Step) {
+			asked, tracked := n.tier.creqOf(s.req).Probes()
+			out = fmt.Sprintf("asked %d, tracked %d, busy %v", asked, tracked, n.tier.creqOf(s.req).Consumer().Busy())
 		})
 		return out
 	case "pins":
