@@ -886,4 +886,3 @@ func TestQueueDirectWriteKeepsOrder(t *testing.T) {
 		t.Fatal("no frame was offered to the direct write")
 	}
 }
-
