@@ -82,7 +82,7 @@ func (t *Tier) SubmitLoad(job *offload.Job) {
 		return
 	}
 	t.applyCons(s)
-	t.armBy(s.lastRecv.Add(time.Duration(t.cfg.KeepaliveInterval)))
+	t.armBy(s.live.LastReceived().Add(time.Duration(t.cfg.KeepaliveInterval)))
 }
 
 // applyCons carries out what a session's consumer asked for.

@@ -40,10 +40,8 @@ type session struct {
 	// the peer sent those first, so they are served first.
 	deferred []wire.Msg
 
-	lastRecv time.Time
-	pingSent time.Time
-	pingSeq  uint64
-	errs     int // consecutive handler errors (S8.2)
+	live protocol.Liveness // keep-alive (S6.9)
+	errs int               // consecutive handler errors (S8.2)
 
 	cons *protocol.Consumer // the consumer side: local requests fetching from the peer
 	prod *protocol.Producer // the producer side: the peer's lookups, leases and rounds
@@ -72,7 +70,8 @@ type ctrlConn struct {
 }
 
 func (t *Tier) newSession(dialed bool, addr string) *session {
-	s := &session{t: t, dialed: dialed, addr: addr, cons: t.conss.New(), prod: t.prods.New()}
+	s := &session{t: t, dialed: dialed, addr: addr, cons: t.conss.New(), prod: t.prods.New(),
+		live: protocol.Liveness{Interval: time.Duration(t.cfg.KeepaliveInterval), Timeout: time.Duration(t.cfg.KeepaliveTimeout)}}
 	t.sessions[s] = true
 	t.consOf[s.cons] = s
 	return s
@@ -153,7 +152,7 @@ func (t *Tier) established(pending *session, c net.Conn, sh shaken) {
 		return
 	}
 	s.ready = true
-	s.lastRecv = time.Now()
+	s.live.Received(time.Now())
 	t.byNode[s.peer] = s
 	if s.peerAddr != "" && t.byAddr[s.peerAddr] == nil {
 		t.byAddr[s.peerAddr] = s
@@ -396,7 +395,7 @@ func (t *Tier) handle(cc *ctrlConn, m wire.Msg) {
 	if s.dead {
 		return
 	}
-	s.lastRecv = time.Now()
+	s.live.Received(time.Now())
 	if cc == s.conn && s.draining() {
 		if len(s.deferred) >= wire.MaxKeys {
 			t.protocolError(s, "too many frames on a new connection while the old one drains")
@@ -423,9 +422,7 @@ func (t *Tier) handle(cc *ctrlConn, m wire.Msg) {
 	case wire.Ping:
 		t.sendNow(s, wire.Pong{Seq: m.Seq})
 	case wire.Pong:
-		if m.Seq == s.pingSeq {
-			s.pingSent = time.Time{}
-		}
+		s.live.Pong(m)
 	case wire.Hello, wire.Challenge, wire.Auth, wire.Connect, wire.ConnectAck:
 		err = fmt.Errorf("%w: %v after the handshake", errProtocol, m.Type())
 	default:
@@ -575,26 +572,17 @@ func (t *Tier) timeouts(s *session, now time.Time) time.Time {
 	}
 	t.applyProd(s)
 	// Liveness: pings only while work with the peer is outstanding (S6.9).
-	if s.busy() {
-		if !s.pingSent.IsZero() && !now.Before(s.pingSent.Add(time.Duration(cfg.KeepaliveTimeout))) {
-			t.sendNow(s, wire.Disconnect{Code: wire.CodeTimeout, Reason: "keep-alive timed out"})
-			t.kill(s, "keep-alive timed out")
-			return time.Time{}
-		}
-		if s.pingSent.IsZero() {
-			d := s.lastRecv.Add(time.Duration(cfg.KeepaliveInterval))
-			if !now.Before(d) {
-				s.pingSeq++
-				s.pingSent = now
-				t.sendNow(s, wire.Ping{Seq: s.pingSeq})
-				d = now.Add(time.Duration(cfg.KeepaliveTimeout))
-			}
-			soonest(d)
-		} else {
-			soonest(s.pingSent.Add(time.Duration(cfg.KeepaliveTimeout)))
-		}
-	} else {
-		s.pingSent = time.Time{}
+	ping, dead, d := s.live.Check(now, s.busy())
+	switch {
+	case dead:
+		t.sendNow(s, wire.Disconnect{Code: wire.CodeTimeout, Reason: "keep-alive timed out"})
+		t.kill(s, "keep-alive timed out")
+		return time.Time{}
+	case ping != nil:
+		t.sendNow(s, *ping)
+	}
+	if !d.IsZero() {
+		soonest(d)
 	}
 	return next
 }

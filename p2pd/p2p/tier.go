@@ -650,7 +650,7 @@ func (t *Tier) OnScheduleEnd() {
 	now := time.Now()
 	for s := range t.sessions {
 		if s.cons.Ask(now) {
-			t.armBy(s.lastRecv.Add(time.Duration(t.cfg.KeepaliveInterval))) // pings while it is outstanding (S6.9)
+			t.armBy(s.live.LastReceived().Add(time.Duration(t.cfg.KeepaliveInterval))) // pings while it is outstanding (S6.9)
 		}
 		t.applyCons(s)
 	}

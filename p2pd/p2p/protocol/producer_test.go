@@ -178,3 +178,30 @@ func TestTakeReentry(t *testing.T) {
 		t.Errorf("carried out %d of 2 actions", n)
 	}
 }
+
+// S6.9, S6.8: no ping while idle; a ping keepalive_interval after the last
+// frame while busy; dead keepalive_timeout after an unanswered ping; a
+// pong for an older ping settles nothing.
+func TestLiveness(t *testing.T) {
+	l := Liveness{Interval: 2 * time.Second, Timeout: 10 * time.Second}
+	t0 := time.Unix(1000, 0)
+	l.Received(t0)
+	if ping, dead, next := l.Check(t0.Add(time.Hour), false); ping != nil || dead || !next.IsZero() {
+		t.Errorf("idle: ping %v, dead %v, next %v; want nothing", ping, dead, next)
+	}
+	if ping, _, next := l.Check(t0.Add(time.Second), true); ping != nil || !next.Equal(t0.Add(2*time.Second)) {
+		t.Errorf("busy before the interval: ping %v, next %v", ping, next)
+	}
+	ping, _, next := l.Check(t0.Add(2*time.Second), true)
+	if ping == nil || !next.Equal(t0.Add(12*time.Second)) {
+		t.Fatalf("busy at the interval: ping %v, next %v", ping, next)
+	}
+	l.Pong(wire.Pong{Seq: ping.Seq - 1}) // a stale pong
+	if _, dead, _ := l.Check(t0.Add(12*time.Second), true); !dead {
+		t.Error("no pong for keepalive_timeout: not dead")
+	}
+	l.Pong(wire.Pong{Seq: ping.Seq})
+	if _, dead, _ := l.Check(t0.Add(12*time.Second), true); dead {
+		t.Error("dead after the pong")
+	}
+}

@@ -8,8 +8,8 @@
 // and a test can script them.
 //
 // So far the producer (Producer) and consumer (Consumer) sides of a
-// session; the session machine (handshake, liveness) is still methods of
-// p2p.Tier.
+// session and its keep-alive (Liveness); the rest of the session machine
+// (handshake, duplicates, retirement) is still methods of p2p.Tier.
 package protocol
 
 import (
