@@ -6,6 +6,7 @@ package offload
 
 import (
 	"cmp"
+	"errors"
 	"fmt"
 	"slices"
 	"time"
@@ -97,6 +98,9 @@ func (m *Manager) lookupTiersLocked(k Key, req *Request, exclude int) Result {
 			return Miss
 		case Retry:
 			retry = true
+			if m.probers[i] != nil {
+				m.mu.probes = append(m.mu.probes, probe{tier: i, req: req, key: k})
+			}
 		}
 	}
 	if retry {
@@ -203,4 +207,47 @@ func (s *Step) LoadSource(k Key, req *Request) string {
 		}
 	}
 	return "cpu"
+}
+
+// probe is a Prober tier's Retry answer, handed to it in the next pass.
+type probe struct {
+	tier int
+	req  *Request
+	key  Key
+}
+
+// maxSpareProbes bounds the probe list kept between passes.
+const maxSpareProbes = 4096
+
+// flushProbesLocked hands each Prober tier the keys it answered Retry for
+// since the last pass, one Probe call per (tier, request) run, in lookup
+// order; a panic is the tier's error (S2.11).
+func (m *Manager) flushProbesLocked() error {
+	ps := m.mu.probes
+	if len(ps) == 0 {
+		return nil
+	}
+	var errs []error
+	for start := 0; start < len(ps); {
+		end := start + 1
+		for end < len(ps) && ps[end].tier == ps[start].tier && ps[end].req == ps[start].req {
+			end++
+		}
+		keys := m.mu.probeKeys[:0]
+		for _, p := range ps[start:end] {
+			keys = append(keys, p.key)
+		}
+		m.mu.probeKeys = keys
+		tier, req := ps[start].tier, ps[start].req
+		if err := m.tierCall(tier, "probe", func() { m.probers[tier].Probe(req, keys) }); err != nil {
+			errs = append(errs, err)
+		}
+		start = end
+	}
+	clear(ps)
+	m.mu.probes = ps[:0]
+	if cap(ps) > maxSpareProbes {
+		m.mu.probes, m.mu.probeKeys = nil, nil
+	}
+	return errors.Join(errs...)
 }

@@ -26,6 +26,7 @@ type Manager struct {
 	wake         chan struct{} // wakes the poll goroutine
 	stop         chan struct{} // closed by Close
 	pollDone     chan struct{} // closed when the poll goroutine returned
+	probers      []Prober      // per secondary tier, the tier if it is one (set once built)
 	pollAlive    atomic.Bool   // the poll goroutine runs and services the polled tiers
 	polling      bool          // it services them at all (tier_poll_interval > 0 and a polled tier)
 	clock        clock         // the poll goroutine's timer, the manager's only one
@@ -46,6 +47,8 @@ type Manager struct {
 		parked    []*reqState // requests with parked cascade keys, in order
 		counters  counters
 		panicLogs []failureLog // per secondary tier, rate-limits panic logs (S2.11)
+		probes    []probe      // Prober tiers' Retry answers, for the next pass (flushProbesLocked)
+		probeKeys []Key        // flushProbesLocked's scratch
 
 		deadlineAt time.Time // the nearest HitPending or Retry deadline the clock was asked for
 		reset      *resetWait
@@ -100,6 +103,7 @@ func New(cfg Config, specs ...TierSpec) (*Manager, error) {
 	m.mu.reqs = make(map[string]*reqState)
 	m.mu.counters = newCounters(len(specs))
 	m.mu.panicLogs = make([]failureLog, len(specs))
+	m.probers = make([]Prober, len(specs))
 	m.polling = m.pollInterval > 0 && slices.ContainsFunc(specs, func(s TierSpec) bool { return s.Polled })
 	m.pollAlive.Store(m.polling)
 	for i, s := range specs {
@@ -113,6 +117,9 @@ func New(cfg Config, specs ...TierSpec) (*Manager, error) {
 			err = fmt.Errorf("offload: creating tier %d (%s): %w", i, s.Name, err)
 			m.mu.closed = true
 			return nil, errors.Join(err, m.closeLocked())
+		}
+		if p, ok := t.(Prober); ok {
+			m.probers[i] = p
 		}
 		m.mu.tiers = append(m.mu.tiers, t)
 	}

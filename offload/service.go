@@ -20,6 +20,9 @@ import (
 // joins the tiers' errors, each panic among them (S2.11).
 func (m *Manager) serviceLocked(only func(tier int) bool) (again bool, err error) {
 	var errs []error // nil on a good pass: a step allocates nothing here (B5)
+	if e := m.flushProbesLocked(); e != nil {
+		errs = append(errs, e)
+	}
 	if e := m.collectLocked(only); e != nil {
 		errs = append(errs, e)
 	}

@@ -40,6 +40,15 @@ type (
 	// StepEnder is implemented by tiers that batch work per engine step
 	// (for example lookups sent to a peer once per step).
 	StepEnder interface{ OnScheduleEnd() }
+	// Prober is implemented by tiers that find out asynchronously (a
+	// peer). Their Lookup stays pure: a key they were not asked about
+	// answers Retry and changes nothing. The manager hands them, in the
+	// service pass that ends the step (before the step-end hooks), every
+	// key they answered Retry for since the last pass, per request in
+	// lookup order, and they start finding out (issue 13).
+	Prober interface {
+		Probe(req *Request, keys []Key)
+	}
 	// Toucher is implemented by tiers that keep their own recency.
 	Toucher interface {
 		Touch(keys []Key, req *Request)

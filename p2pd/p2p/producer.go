@@ -32,6 +32,7 @@ var (
 	_ offload.RequestHooks  = (*Tier)(nil)
 	_ offload.Server        = (*Tier)(nil)
 	_ offload.StepEnder     = (*Tier)(nil)
+	_ offload.Prober        = (*Tier)(nil)
 	_ offload.Pender        = (*Tier)(nil)
 	_ offload.Resetter      = (*Tier)(nil)
 	_ offload.StatsReporter = (*Tier)(nil)

@@ -552,6 +552,14 @@ func (t *Tier) Lookup(k offload.Key, req *offload.Request) offload.Result {
 	return cr.Lookup(k)
 }
 
+// Probe implements offload.Prober: the keys the request's lookups answered
+// Retry for are asked at the step's end.
+func (t *Tier) Probe(req *offload.Request, keys []offload.Key) {
+	if cr := t.creqOf(req); cr != nil {
+		cr.Probe(keys)
+	}
+}
+
 // SubmitStore implements offload.Tier: the P2P tier keeps nothing of its
 // own (peers fetch from the CPU tier), so a cascade succeeds at once.
 func (t *Tier) SubmitStore(job *offload.Job) {

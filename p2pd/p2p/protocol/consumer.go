@@ -157,25 +157,34 @@ func (r *Req) Consumer() *Consumer { return r.c }
 // answered, and how many it tracks (diagnostics and tests).
 func (r *Req) Probes() (asked, tracked int) { return r.asked, len(r.probes) }
 
-// Lookup answers from what the peer said: Hit, Miss, or Retry while the
-// key is not answered; a key seen for the first time is recorded to be
-// asked at the step's end (Ask).
+// Lookup answers from what the peer said, and changes nothing: Hit, Miss,
+// or Retry while the key is not answered (or not asked: Probe).
 func (r *Req) Lookup(k offload.Key) offload.Result {
 	if r.failed || r.finished || r.c.dead {
 		return offload.Miss
 	}
-	switch v, ok := r.probes[k]; {
-	case !ok:
-		r.probes[k] = probeUnsent
-		r.unsent = append(r.unsent, k)
-		r.peak = max(r.peak, len(r.probes))
-		return offload.Retry
-	case v == probeHit:
+	switch r.probes[k] {
+	case probeHit:
 		return offload.Hit
-	case v == probeMiss:
+	case probeMiss:
 		return offload.Miss
 	}
 	return offload.Retry
+}
+
+// Probe records the keys to ask the peer about at the step's end (Ask):
+// those the request has not asked yet (offload.Prober).
+func (r *Req) Probe(keys []offload.Key) {
+	if r.failed || r.finished || r.c.dead {
+		return
+	}
+	for _, k := range keys {
+		if _, ok := r.probes[k]; !ok {
+			r.probes[k] = probeUnsent
+			r.unsent = append(r.unsent, k)
+		}
+	}
+	r.peak = max(r.peak, len(r.probes))
 }
 
 func (r *Req) waiting() bool { return r.asked > 0 }
