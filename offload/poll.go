@@ -72,6 +72,16 @@ func (c *clock) rearmLocked() {
 	}
 }
 
+// NextDeadline is when the manager's clock fires next — the nearest
+// HitPending/Retry deadline, a time a tier asked for, the poll interval
+// while work is pending — or zero when nothing is armed (an idle node).
+func (m *Manager) NextDeadline() time.Time {
+	c := &m.clock
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.at
+}
+
 // wakeAt makes the poll goroutine's timer fire no later than t. Any
 // goroutine may call it, holding any lock.
 func (m *Manager) wakeAt(t time.Time) {

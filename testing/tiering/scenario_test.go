@@ -32,6 +32,7 @@ import (
 //	load R K… | store R K…    a load of hits, a store of computed blocks (one Do)
 //	step                      an empty engine step
 //	sleep D                   advance the fake clock by D, then wait for the bubble
+//	deadline                  when the manager's clock fires next (NextDeadline), from the start
 //	progress                  whether progress was signalled since the last look (drains it)
 //	await-progress            block until progress; prints the time from the start
 //	metrics                   timeouts, requests, the tiers' active jobs
@@ -123,6 +124,11 @@ func (s *scenario) do(t *testing.T, c *script.Cmd) string {
 	case "sleep":
 		time.Sleep(duration(t, c, words[0]))
 		synctest.Wait()
+	case "deadline":
+		if d := s.h.m.NextDeadline(); !d.IsZero() {
+			return "next deadline at " + d.Sub(s.start).String()
+		}
+		return "no deadline"
 	case "progress":
 		if progressed(s.h.m) {
 			drainProgress(s.h.m)
