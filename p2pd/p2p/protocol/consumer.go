@@ -93,6 +93,7 @@ type Consumer struct {
 	loads    map[uint64]*load // by round
 	stopping map[uint64]*load // failed, waiting for the data plane to stop reading (Unexpected)
 	quar     []*load          // waiting for the peer's removal from the data plane (PeerRemoved)
+	removing bool             // a RemovePeer is outstanding: one at a time (a second would end at once)
 }
 
 // The consumer's further actions.
@@ -452,12 +453,25 @@ func (c *Consumer) quarantine(l *load) {
 	if c.cs.Log != nil {
 		c.cs.Log.Warn("p2p: abort not acknowledged; quarantining the load's slots", "peer", c.Peer, "round", l.round)
 	}
-	c.emit(RemovePeer{})
+	c.removePeer()
+}
+
+// removePeer asks the data plane to drop the peer, unless a removal is
+// already under way: its end covers every load quarantined meanwhile
+// (it closed the peer's connections when it began), while a second
+// removal of a removed peer would report at once, before the first one's
+// readers left the slots.
+func (c *Consumer) removePeer() {
+	if !c.removing {
+		c.removing = true
+		c.emit(RemovePeer{})
+	}
 }
 
 // PeerRemoved is the data plane's word that the peer can no longer write:
 // the quarantined loads report.
 func (c *Consumer) PeerRemoved(now time.Time) {
+	c.removing = false
 	for _, l := range c.quar {
 		c.result(l, false, now)
 	}
@@ -530,7 +544,7 @@ func (c *Consumer) Kill(ready bool, now time.Time) {
 		c.PeerRemoved(now)
 		return
 	}
-	c.emit(RemovePeer{})
+	c.removePeer()
 }
 
 // Busy says whether work with the peer is outstanding: loads, quarantined

@@ -1,0 +1,127 @@
+package protocol
+
+import (
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvtier/kvtier/offload"
+	"github.com/kvtier/kvtier/p2pd/wire"
+)
+
+func newCons() (*Consumers, *Consumer) {
+	cs := &Consumers{Config: ConsumerConfig{LookupTimeout: 7 * time.Second, LoadTimeout: 30 * time.Second, AbortAckTimeout: 10 * time.Second, BlockBytes: 1}}
+	return cs, cs.New()
+}
+
+func takeShow(c *Consumer) string { return show(c.Take()) }
+
+// hitLoad walks r through a lookup answered Hit and a load of k into slot.
+func hitLoad(t *testing.T, c *Consumer, r *Req, k offload.Key, job uint64, now time.Time) uint64 {
+	t.Helper()
+	if r.Lookup(k) != offload.Retry {
+		t.Fatal("first lookup not Retry")
+	}
+	r.Probe([]offload.Key{k})
+	c.Ask(now)
+	round := r.round
+	c.Take()
+	if err := c.LookupResp(wire.LookupResp{ReqID: r.kvID, Round: round, Keys: []wire.Key{k}, Hits: []bool{true}}); err != nil {
+		t.Fatal(err)
+	}
+	c.Take()
+	c.Load(r, &offload.Job{ID: job, Keys: []offload.Key{k}, Slots: []int32{int32(job)}}, true, now)
+	c.Take()
+	return round
+}
+
+// S6.6, S6.8 (found in review): a load failed by abort_ack waits for
+// Unexpected; the session dies before it comes: PeerRemoved reports it
+// once, a late Unexpected is a no-op.
+func TestConsumerKillWhileStopping(t *testing.T) {
+	cs, c := newCons()
+	t0 := time.Unix(1000, 0)
+	r := c.Add(&offload.Request{ID: "r"}, "kv")
+	round := hitLoad(t, c, r, key(1), 1, t0)
+	c.AbortAck(wire.AbortAck{ReqID: "kv", Round: round})
+	if got := takeShow(c); !strings.Contains(got, "Unexpect") {
+		t.Fatalf("abort_ack: %s", got)
+	}
+	c.Kill(true, t0)
+	if got := takeShow(c); !strings.Contains(got, "RemovePeer") || strings.Contains(got, "JobDone") {
+		t.Errorf("kill: %q, want a removal and no result before it ends", got)
+	}
+	c.PeerRemoved(t0)
+	if got := takeShow(c); strings.Count(got, "JobDone") != 1 {
+		t.Errorf("the removal's end: %q, want the load's one result", got)
+	}
+	c.Unexpected(round, t0)
+	if got := takeShow(c); got != "" {
+		t.Errorf("late Unexpected: %s", got)
+	}
+	if cs.Stats.RoundsFailed != 1 {
+		t.Errorf("rounds failed %d", cs.Stats.RoundsFailed)
+	}
+	if r.Lookup(key(2)) != offload.Miss {
+		t.Error("dead consumer's request does not miss")
+	}
+}
+
+// S6.6 (found in review): two loads quarantined in one pass, then the
+// session's death, ask the data plane for one removal: a second removal
+// of a removed peer would report at once, before the first one's readers
+// left the slots. Its end reports every load.
+func TestConsumerOneRemovalAtATime(t *testing.T) {
+	_, c := newCons()
+	t0 := time.Unix(1000, 0)
+	r1 := c.Add(&offload.Request{ID: "r1"}, "a")
+	r2 := c.Add(&offload.Request{ID: "r2"}, "b")
+	hitLoad(t, c, r1, key(1), 1, t0)
+	hitLoad(t, c, r2, key(2), 2, t0)
+	c.Timeouts(t0.Add(30 * time.Second))
+	c.Take()
+	c.Timeouts(t0.Add(40 * time.Second))
+	got := takeShow(c)
+	if n := strings.Count(got, "RemovePeer"); n != 1 {
+		t.Errorf("%d RemovePeer actions for one pass (the second removal of a removed peer completes at once, S6.6)", n)
+	}
+	c.Kill(true, t0.Add(41*time.Second))
+	if got := takeShow(c); strings.Contains(got, "RemovePeer") {
+		t.Errorf("the death during the removal asked for another: %s", got)
+	}
+	c.PeerRemoved(t0.Add(42 * time.Second))
+	if got := takeShow(c); strings.Count(got, "JobDone") != 2 {
+		t.Errorf("the removal's end reported %q, want both loads", got)
+	}
+}
+
+// S6.2: rounds stay unique across merged consumers (one counter per
+// node), and a merged request loads.
+func TestConsumerMergeRounds(t *testing.T) {
+	cs, a := newCons()
+	b := cs.New()
+	t0 := time.Unix(1000, 0)
+	ra := a.Add(&offload.Request{ID: "ra"}, "x")
+	rb := b.Add(&offload.Request{ID: "rb"}, "y")
+	ra.Probe([]offload.Key{key(1)})
+	rb.Probe([]offload.Key{key(2)})
+	a.Ask(t0)
+	b.Ask(t0)
+	a.Take()
+	b.Take()
+	if ra.round == rb.round {
+		t.Fatalf("same round %d", ra.round)
+	}
+	if col := a.Merge(b); len(col) != 0 {
+		t.Fatal(col)
+	}
+	if rb.Consumer() != a {
+		t.Fatal("not moved")
+	}
+	a.LookupResp(wire.LookupResp{ReqID: "y", Round: rb.round, Keys: []wire.Key{key(2)}, Hits: []bool{true}})
+	a.Take()
+	a.Load(rb, &offload.Job{ID: 9, Keys: []offload.Key{key(2)}, Slots: []int32{3}}, true, t0)
+	if got := takeShow(a); !strings.Contains(got, "ExpectBlocks") {
+		t.Fatalf("load after merge: %s", got)
+	}
+}
