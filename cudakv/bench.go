@@ -144,6 +144,21 @@ func timeMedian(reps int, f func() error) (time.Duration, error) {
 
 func gbps(bytes float64, d time.Duration) float64 { return bytes / d.Seconds() / 1e9 }
 
+// measured records a timing of bytes in p, as a rate and a ratio to
+// ceiling, or notes that the engine is unavailable; other errors it
+// returns.
+func (p *BenchPoint) measured(d time.Duration, err error, bytes float64, ceiling time.Duration) error {
+	switch {
+	case errors.Is(err, ErrUnavailable):
+		p.Note = err.Error()
+	case err != nil:
+		return err
+	default:
+		p.GBps, p.Ratio = gbps(bytes, d), ceiling.Seconds()/d.Seconds()
+	}
+	return nil
+}
+
 // benchMover measures both directions: the ceiling and the other
 // baselines once, the mover at every CTA cap (the host backend has one),
 // then a store and a load at once.
@@ -180,13 +195,8 @@ func benchMover(m *Mover, pairs []Pair, grids []grid, baselines []string, reps, 
 			}
 			p := BenchPoint{Direction: dir, Engine: engine}
 			d, err := bl.baseline(engine, store, pairs, reps)
-			switch {
-			case errors.Is(err, ErrUnavailable):
-				p.Note = err.Error()
-			case err != nil:
+			if err := p.measured(d, err, bytes, ceiling); err != nil {
 				return nil, err
-			default:
-				p.GBps, p.Ratio = gbps(bytes, d), ratio(ceiling, d)
 			}
 			out = append(out, p)
 		}
@@ -269,13 +279,8 @@ func benchMover(m *Mover, pairs []Pair, grids []grid, baselines []string, reps, 
 			}
 			p := BenchPoint{Direction: "both", Engine: name, CTAs: best.ctas, Threads: best.threads, Note: both}
 			d, err := bl.hybrid(m, pairs, kernelStores, engine, reps)
-			switch {
-			case errors.Is(err, ErrUnavailable):
-				p.Note = err.Error()
-			case err != nil:
+			if err := p.measured(d, err, bytes, storeCeiling); err != nil {
 				return nil, err
-			default:
-				p.GBps, p.Ratio = gbps(bytes, d), ratio(storeCeiling, d)
 			}
 			out = append(out, p)
 		}
