@@ -49,6 +49,7 @@ func (m *Manager) trackPendingLocked(st *reqState, k Key, r Result, clock *time.
 			}
 			at := now.Add(m.hitTimeout)
 			st.deadlines[k] = deadline{at: at, retry: r == Retry}
+			m.mu.deadlines++
 			st.deadlinesPeak = max(st.deadlinesPeak, len(st.deadlines))
 			m.armDeadlineLocked(at)
 			return r
@@ -60,8 +61,9 @@ func (m *Manager) trackPendingLocked(st *reqState, k Key, r Result, clock *time.
 		}
 		st.deadlines[k] = d
 	case Hit, Miss:
-		if len(st.deadlines) > 0 {
+		if _, ok := st.deadlines[k]; ok {
 			delete(st.deadlines, k) // resolved (S4.3)
+			m.forgotDeadlinesLocked(1)
 		}
 	}
 	return r
@@ -69,6 +71,7 @@ func (m *Manager) trackPendingLocked(st *reqState, k Key, r Result, clock *time.
 
 func (m *Manager) expireLocked(st *reqState, k Key, d deadline) {
 	delete(st.deadlines, k)
+	m.forgotDeadlinesLocked(1)
 	if st.expired == nil {
 		st.expired = make(map[Key]struct{})
 	}
@@ -80,13 +83,23 @@ func (m *Manager) expireLocked(st *reqState, k Key, d deadline) {
 	m.mu.counters.timeouts[reason]++
 }
 
+// forgotDeadlinesLocked counts n deadlines gone; with none left the
+// clock is no longer asked for one (an idle node arms no timer, S3.1).
+func (m *Manager) forgotDeadlinesLocked(n int) {
+	m.mu.deadlines -= n
+	if m.mu.deadlines == 0 && !m.mu.deadlineAt.IsZero() {
+		m.mu.deadlineAt = time.Time{}
+		m.clock.setDeadline(time.Time{})
+	}
+}
+
 // armDeadlineLocked asks the poll goroutine's clock for a pass by d,
 // unless it was already asked for one at or before d (deadlines are added
 // in time order, so lookups rarely ask).
 func (m *Manager) armDeadlineLocked(d time.Time) {
 	if m.mu.deadlineAt.IsZero() || d.Before(m.mu.deadlineAt) {
 		m.mu.deadlineAt = d
-		m.wakeAt(d)
+		m.clock.setDeadline(d)
 	}
 }
 
@@ -99,7 +112,7 @@ func (m *Manager) expireDueLocked(now time.Time) {
 		return
 	}
 	if now.Before(m.mu.deadlineAt) {
-		m.wakeAt(m.mu.deadlineAt)
+		m.clock.setDeadline(m.mu.deadlineAt)
 		return
 	}
 	m.mu.deadlineAt = time.Time{}
@@ -117,6 +130,8 @@ func (m *Manager) expireDueLocked(now time.Time) {
 	}
 	if !next.IsZero() {
 		m.armDeadlineLocked(next)
+	} else {
+		m.clock.setDeadline(time.Time{})
 	}
 	if expired {
 		m.signalProgress()
@@ -133,7 +148,10 @@ const maxSpareDeadlines = 4096
 
 // dropDeadlinesLocked forgets st's deadlines (S4.3), keeping the map for
 // the next request.
-func dropDeadlinesLocked(st *reqState) {
+func (m *Manager) dropDeadlinesLocked(st *reqState) {
+	if n := len(st.deadlines); n > 0 {
+		m.forgotDeadlinesLocked(n)
+	}
 	if st.deadlines != nil && st.deadlinesPeak <= maxSpareDeadlines {
 		clear(st.deadlines)
 		spareDeadlines.Put(st.deadlines)

@@ -5,6 +5,7 @@ package offload
 // HasPendingWork reports whether the engine must keep stepping although it
 // has nothing to schedule (S3.4). While the poll goroutine services the
 // polled tiers, their work does not count. It counts: parked cascades;
+// Retry answers of Prober tiers that only a step hands over;
 // jobs, queued promotions and pending work of tiers that are not polled
 // (or of every tier when the poll goroutine services none); a keep-alive
 // while a tier that serves outside requests is not serviced by it; and a
@@ -18,7 +19,7 @@ func (m *Manager) HasPendingWork() bool {
 	}
 	alive := m.pollAlive.Load()
 	byPoll := func(tier int) bool { return alive && m.specs[tier].Polled }
-	if len(m.mu.parked) > 0 {
+	if len(m.mu.parked) > 0 || len(m.mu.probes) > 0 { // probes left: tiers only a step services
 		return true
 	}
 	for _, j := range m.mu.jobs {

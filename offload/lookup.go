@@ -216,38 +216,55 @@ type probe struct {
 	key  Key
 }
 
-// maxSpareProbes bounds the probe list kept between passes.
-const maxSpareProbes = 4096
-
-// flushProbesLocked hands each Prober tier the keys it answered Retry for
-// since the last pass, one Probe call per (tier, request) run, in lookup
-// order; a panic is the tier's error (S2.11).
-func (m *Manager) flushProbesLocked() error {
+// flushProbesLocked hands each Prober tier that only picks (nil: every
+// tier) the keys it answered Retry for since the last pass: one Probe per
+// (tier, request), the requests in the order they first looked up, the
+// keys in lookup order. Probes of other tiers wait for a pass that picks
+// them. A panic is the tier's error (S2.11).
+func (m *Manager) flushProbesLocked(only func(tier int) bool) error {
 	ps := m.mu.probes
 	if len(ps) == 0 {
 		return nil
 	}
+	// Group stably by (tier, the request's first appearance); the sort
+	// reuses the list, the map is scratch kept across passes.
+	if m.mu.probeFirst == nil {
+		m.mu.probeFirst = map[*Request]int{}
+	}
+	first := m.mu.probeFirst
+	for i, p := range ps {
+		if _, ok := first[p.req]; !ok {
+			first[p.req] = i
+		}
+	}
+	slices.SortStableFunc(ps, func(a, b probe) int {
+		return cmp.Or(cmp.Compare(a.tier, b.tier), cmp.Compare(first[a.req], first[b.req]))
+	})
+	clear(first)
 	var errs []error
+	kept := ps[:0]
 	for start := 0; start < len(ps); {
 		end := start + 1
 		for end < len(ps) && ps[end].tier == ps[start].tier && ps[end].req == ps[start].req {
 			end++
+		}
+		tier, req := ps[start].tier, ps[start].req
+		if only != nil && !only(tier) {
+			kept = append(kept, ps[start:end]...)
+			start = end
+			continue
 		}
 		keys := m.mu.probeKeys[:0]
 		for _, p := range ps[start:end] {
 			keys = append(keys, p.key)
 		}
 		m.mu.probeKeys = keys
-		tier, req := ps[start].tier, ps[start].req
 		if err := m.tierCall(tier, "probe", func() { m.probers[tier].Probe(req, keys) }); err != nil {
 			errs = append(errs, err)
 		}
 		start = end
 	}
-	clear(ps)
-	m.mu.probes = ps[:0]
-	if cap(ps) > maxSpareProbes {
-		m.mu.probes, m.mu.probeKeys = nil, nil
-	}
+	clear(ps[len(kept):])
+	m.mu.probes = kept
 	return errors.Join(errs...)
 }

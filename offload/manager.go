@@ -47,10 +47,15 @@ type Manager struct {
 		parked    []*reqState // requests with parked cascade keys, in order
 		counters  counters
 		panicLogs []failureLog // per secondary tier, rate-limits panic logs (S2.11)
-		probes    []probe      // Prober tiers' Retry answers, for the next pass (flushProbesLocked)
-		probeKeys []Key        // flushProbesLocked's scratch
+		// Prober tiers' Retry answers, for the next pass that services the
+		// tier (flushProbesLocked): bounded by one step's lookups, kept at
+		// the largest step's size.
+		probes     []probe
+		probeKeys  []Key            // flushProbesLocked's scratch
+		probeFirst map[*Request]int // flushProbesLocked's scratch, emptied each pass
 
 		deadlineAt time.Time // the nearest HitPending or Retry deadline the clock was asked for
+		deadlines  int       // HitPending/Retry deadlines live in all requests
 		reset      *resetWait
 	}
 }

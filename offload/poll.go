@@ -37,7 +37,8 @@ type clock struct {
 	mu    sync.Mutex
 	timer *time.Timer
 	at    time.Time   // when the timer fires; zero while it is disarmed
-	own   time.Time   // the manager's earliest ask; zero: none
+	own   time.Time   // the manager's earliest ask (poll tick, backoff, reset); zero: none
+	dl    time.Time   // the nearest HitPending/Retry deadline (setDeadline); zero: none
 	tiers []time.Time // per tier, its earliest ask since its last Serve
 }
 
@@ -56,7 +57,7 @@ func earlier(a, b time.Time) time.Time {
 
 // rearmLocked arms the timer at the earliest ask, or disarms it.
 func (c *clock) rearmLocked() {
-	want := c.own
+	want := earlier(c.own, c.dl)
 	for _, t := range c.tiers {
 		want = earlier(want, t)
 	}
@@ -95,6 +96,17 @@ func (m *Manager) wakeAt(t time.Time) {
 	c.rearmLocked()
 }
 
+// setDeadline makes the nearest HitPending/Retry deadline d (zero: none
+// left, which may disarm the timer).
+func (c *clock) setDeadline(d time.Time) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if !d.Equal(c.dl) {
+		c.dl = d
+		c.rearmLocked()
+	}
+}
+
 // tierWakeAt is tier i's TierEnv.WakeAt: a service of the tier by t.
 func (m *Manager) tierWakeAt(i int) func(time.Time) {
 	return func(t time.Time) {
@@ -127,6 +139,9 @@ func (c *clock) fired(now time.Time) (tierDue bool) {
 	c.at = time.Time{}
 	if !c.own.IsZero() && !now.Before(c.own) {
 		c.own = time.Time{}
+	}
+	if !c.dl.IsZero() && !now.Before(c.dl) {
+		c.dl = time.Time{} // the pass expires it and asks for the next
 	}
 	for i, t := range c.tiers {
 		if !t.IsZero() && !now.Before(t) {

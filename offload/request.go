@@ -78,7 +78,7 @@ func (m *Manager) onRequestFinishedLocked(req *Request, exclude int) error {
 		return err
 	}
 	st.finished = true
-	dropDeadlinesLocked(st) // S4.3
+	m.dropDeadlinesLocked(st) // S4.3
 	st.expired = nil
 	m.maybeFinalizeLocked(st, exclude)
 	return nil
@@ -94,7 +94,7 @@ func (m *Manager) maybeFinalizeLocked(st *reqState, exclude int) {
 func (m *Manager) finalizeLocked(st *reqState, exclude int) {
 	delete(m.mu.reqs, st.req.ID)
 	st.req.st = nil
-	dropDeadlinesLocked(st)
+	m.dropDeadlinesLocked(st)
 	for i, t := range m.mu.tiers {
 		if h, ok := t.(RequestHooks); ok && i != exclude {
 			m.tierCall(i, "request finished", func() { h.OnRequestFinished(st.req) })

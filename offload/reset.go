@@ -76,7 +76,7 @@ func (m *Manager) ResetCache(ctx context.Context) error {
 	m.mu.cpu.Reset()
 	m.mu.parked = nil
 	for _, st := range m.mu.reqs {
-		dropDeadlinesLocked(st)
+		m.dropDeadlinesLocked(st)
 		st.parked, st.expired, st.sources = nil, nil, nil
 		m.maybeFinalizeLocked(st, -1)
 	}

@@ -20,7 +20,7 @@ import (
 // joins the tiers' errors, each panic among them (S2.11).
 func (m *Manager) serviceLocked(only func(tier int) bool) (again bool, err error) {
 	var errs []error // nil on a good pass: a step allocates nothing here (B5)
-	if e := m.flushProbesLocked(); e != nil {
+	if e := m.flushProbesLocked(only); e != nil {
 		errs = append(errs, e)
 	}
 	if e := m.collectLocked(only); e != nil {
@@ -32,6 +32,12 @@ func (m *Manager) serviceLocked(only func(tier int) bool) (again bool, err error
 				errs = append(errs, fmt.Errorf("tier %d (%s): %w", i, m.specs[i].Name, e))
 			}
 		}
+	}
+	if e := m.flushProbesLocked(only); e != nil { // what Serve's own lookups answered Retry
+		errs = append(errs, e)
+	}
+	if len(m.mu.probes) > 0 {
+		m.signalProgress() // probes for tiers only a step services: the engine steps (HasPendingWork)
 	}
 	if e := m.collectLocked(only); e != nil {
 		errs = append(errs, e)

@@ -42,10 +42,11 @@ type (
 	StepEnder interface{ OnScheduleEnd() }
 	// Prober is implemented by tiers that find out asynchronously (a
 	// peer). Their Lookup stays pure: a key they were not asked about
-	// answers Retry and changes nothing. The manager hands them, in the
-	// service pass that ends the step (before the step-end hooks), every
-	// key they answered Retry for since the last pass, per request in
-	// lookup order, and they start finding out (issue 13).
+	// answers Retry and changes nothing. The next service pass that
+	// services them (the step's end, before the step-end hooks; a poll
+	// pass) hands them every key they answered Retry for since, one call
+	// per request, in lookup order, and they start finding out (issue
+	// 13). keys is valid only during the call.
 	Prober interface {
 		Probe(req *Request, keys []Key)
 	}

@@ -165,8 +165,14 @@ func (n *Node) ShutdownRequested() <-chan time.Duration { return n.stop }
 func (n *Node) Shutdown(ctx context.Context) error {
 	var err error
 	n.once.Do(func() {
-		d, _ := ctx.Deadline()
-		n.log.Info("shutting down", "grace", time.Until(d).Round(time.Millisecond))
+		switch d, ok := ctx.Deadline(); {
+		case ctx.Err() != nil:
+			n.log.Info("shutting down", "grace", "none")
+		case ok:
+			n.log.Info("shutting down", "grace", time.Until(d).Round(time.Millisecond))
+		default:
+			n.log.Info("shutting down", "grace", "until running requests finish")
+		}
 		errs := []error{n.Eng.Shutdown(ctx), n.Eng.Close()}
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		errs = append(errs, n.srv.Shutdown(ctx))
