@@ -226,21 +226,23 @@ func (m *Manager) flushProbesLocked(only func(tier int) bool) error {
 	if len(ps) == 0 {
 		return nil
 	}
-	// Group stably by (tier, the request's first appearance); the sort
-	// reuses the list, the map is scratch kept across passes.
-	if m.mu.probeFirst == nil {
-		m.mu.probeFirst = map[*Request]int{}
-	}
-	first := m.mu.probeFirst
-	for i, p := range ps {
-		if _, ok := first[p.req]; !ok {
-			first[p.req] = i
+	if !grouped(ps) {
+		// Group stably by (tier, the request's first appearance); the sort
+		// reuses the list, the map is scratch kept across passes.
+		if m.mu.probeFirst == nil {
+			m.mu.probeFirst = map[*Request]int{}
 		}
+		first := m.mu.probeFirst
+		for i, p := range ps {
+			if _, ok := first[p.req]; !ok {
+				first[p.req] = i
+			}
+		}
+		slices.SortStableFunc(ps, func(a, b probe) int {
+			return cmp.Or(cmp.Compare(a.tier, b.tier), cmp.Compare(first[a.req], first[b.req]))
+		})
+		clear(first)
 	}
-	slices.SortStableFunc(ps, func(a, b probe) int {
-		return cmp.Or(cmp.Compare(a.tier, b.tier), cmp.Compare(first[a.req], first[b.req]))
-	})
-	clear(first)
 	var errs []error
 	kept := ps[:0]
 	for start := 0; start < len(ps); {
@@ -267,4 +269,29 @@ func (m *Manager) flushProbesLocked(only func(tier int) bool) error {
 	clear(ps[len(kept):])
 	m.mu.probes = kept
 	return errors.Join(errs...)
+}
+
+// grouped reports whether each (tier, request) of ps forms one run — the
+// usual case, an engine looking up each request's prefix in turn — so
+// flushProbesLocked need not sort. It gives up (false) past a few runs.
+func grouped(ps []probe) bool {
+	const maxRuns = 8
+	var runs [maxRuns]probe
+	n := 0
+	for i, p := range ps {
+		if i > 0 && p.tier == ps[i-1].tier && p.req == ps[i-1].req {
+			continue
+		}
+		for _, r := range runs[:n] {
+			if r.tier == p.tier && r.req == p.req {
+				return false // this pair came before, in another run
+			}
+		}
+		if n == maxRuns {
+			return false
+		}
+		runs[n] = p
+		n++
+	}
+	return true
 }
