@@ -61,9 +61,11 @@ func (m *Manager) trackPendingLocked(st *reqState, k Key, r Result, clock *time.
 		}
 		st.deadlines[k] = d
 	case Hit, Miss:
-		if _, ok := st.deadlines[k]; ok {
-			delete(st.deadlines, k) // resolved (S4.3)
-			m.forgotDeadlinesLocked(1)
+		if n := len(st.deadlines); n > 0 {
+			delete(st.deadlines, k) // resolved (S4.3); one hash lookup (B5)
+			if len(st.deadlines) < n {
+				m.forgotDeadlinesLocked(1)
+			}
 		}
 	}
 	return r
