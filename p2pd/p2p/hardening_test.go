@@ -267,41 +267,6 @@ func TestAcceptErrorsRetried(t *testing.T) {
 	})
 }
 
-// S6.10: a producer that answers pings but never a lookup: after
-// lookup_timeout the lookups answer Miss, counted; the peer lives on.
-func TestLookupTimeout(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
-		mn := newMemNet()
-		keys := testKeys(1, 2)
-		// lookup_hold 1s: lookup_timeout (3s) comes before the manager's
-		// own Retry bound (hit_pending_timeout, 5s).
-		edit := func(c *Config) { c.LookupHold = offload.Duration(time.Second) }
-		cons, req, f, _ := consumerSetupWith(t, mn, keys, edit)
-		dc := DefaultConfig()
-		edit(&dc)
-		time.Sleep(dc.lookupTimeout() - time.Second)
-		synctest.Wait()
-		if got := step(cons, req, keys[:1]); got[0] != offload.Retry {
-			t.Fatalf("before lookup_timeout: %v, want retry", got)
-		}
-		time.Sleep(2 * time.Second)
-		synctest.Wait()
-		if got := step(cons, req, keys[:1]); got[0] != offload.Miss {
-			t.Fatalf("after lookup_timeout: %v, want miss", got)
-		}
-		if v := stat(cons, "kv_offload_p2p_lookup_timeouts_total"); v != 1 {
-			t.Errorf("lookup timeouts %v, want 1", v)
-		}
-		if v := stat(cons, "kv_offload_p2p_peer_deaths_total"); v != 0 {
-			t.Errorf("peer deaths %v, want 0", v)
-		}
-		if f.Pings() == 0 {
-			t.Error("no keep-alive while the lookup was outstanding")
-		}
-		cons.m.Do(func(s *offload.Step) { s.OnRequestFinished(req) })
-	})
-}
-
 // S6.1: a static peer that is not listening yet is dialled again with
 // backoff until it connects.
 func TestStaticPeerRedial(t *testing.T) {
@@ -376,40 +341,6 @@ func TestDuplicateDialsKeepWork(t *testing.T) {
 	}
 }
 
-// S8.2: five handler errors in a row (here answers for rounds the node
-// never started) disconnect the session; four, then a good frame, do not.
-func TestFiveHandlerErrors(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
-		mn := newMemNet()
-		n := newNode(t, mn, nil, 4)
-		f := connectFake(t, mn, n, "fake")
-		bad := func(k int) {
-			for range k {
-				f.send(wire.TransferDone{ReqID: "kv", Round: 1000})
-			}
-			synctest.Wait()
-		}
-		bad(4)
-		f.send(wire.Ping{Seq: 1}) // a good frame resets the count
-		if _, ok := f.next().(wire.Pong); !ok {
-			t.Fatal("no pong")
-		}
-		bad(4)
-		if ps := n.tier.Peers(); len(ps) != 1 {
-			t.Fatalf("disconnected after four handler errors and a good frame; peers %+v", ps)
-		}
-		bad(1)
-		d, ok := f.next().(wire.Disconnect)
-		if !ok || d.Code != wire.CodeHandlerErrors {
-			t.Fatalf("after five handler errors in a row: %+v, want a disconnect with code handler_errors", d)
-		}
-		synctest.Wait()
-		if ps := n.tier.Peers(); len(ps) != 0 {
-			t.Errorf("peers %+v after the disconnect", ps)
-		}
-	})
-}
-
 // S6.1, S8.5: a peer process that connects again and again keeps at most
 // maxRetiring duplicates; when its session dies every one of them is
 // closed, so the node still shuts down (Close joins their goroutines).
@@ -470,31 +401,6 @@ func TestSessionCap(t *testing.T) {
 		if ps := n.tier.Peers(); len(ps) != 1 || ps[0].Node != "first" {
 			t.Errorf("peers %+v, want only first", ps)
 		}
-	})
-}
-
-// S6.9: only the pong of the outstanding ping counts: a stale pong does
-// not stop the keep-alive clock of the ping in flight.
-func TestStalePong(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
-		mn := newMemNet()
-		keys := testKeys(1, 2)
-		// lookup_hold 20s: the lookup stays outstanding past the keep-alive.
-		cons, req, f, _ := consumerSetupWith(t, mn, keys, func(c *Config) { c.LookupHold = offload.Duration(20 * time.Second) })
-		f.mu.Lock()
-		f.Mute = true
-		f.mu.Unlock()
-		time.Sleep(3 * time.Second) // a ping went out at 2 s
-		f.send(wire.Pong{Seq: 1 << 40})
-		time.Sleep(9*time.Second + 500*time.Millisecond) // 12.5 s: past the ping's keep-alive timeout
-		synctest.Wait()
-		if f.Pings() == 0 {
-			t.Fatal("no ping was sent")
-		}
-		if v := stat(cons, "kv_offload_p2p_peer_deaths_total"); v != 1 {
-			t.Errorf("peer deaths %v 10 s after an unanswered ping, want 1", v)
-		}
-		cons.m.Do(func(s *offload.Step) { s.OnRequestFinished(req) })
 	})
 }
 

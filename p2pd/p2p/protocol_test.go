@@ -193,27 +193,3 @@ func TestUnexpectedBlock(t *testing.T) {
 		}
 	})
 }
-
-// S2.10, S6.8: a peer that dies before it answered a lookup wakes the
-// consumer's engine, and the lookups answer Miss (recompute).
-func TestPeerDeathWakesConsumer(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
-		mn := newMemNet()
-		keys := testKeys(1, 2)
-		cons, req, f, _ := consumerSetup(t, mn, keys)
-		synctest.Wait()
-		for len(cons.m.Progress()) > 0 {
-			<-cons.m.Progress()
-		}
-		f.c.Close()
-		synctest.Wait()
-		select {
-		case <-cons.m.Progress():
-		default:
-			t.Fatal("no progress signal after the peer died")
-		}
-		if r := step(cons, req, keys); r[0] != offload.Miss {
-			t.Errorf("lookup after the peer died = %v, want miss", r[0])
-		}
-	})
-}

@@ -28,7 +28,7 @@ import (
 //	store N K… | write N K…           blocks ready in N's CPU tier, or being written (never completed)
 //	listen F                          F's data port, which the node dials to write blocks
 //	connect F N                       fake peer F connects to node N and completes the handshake
-//	send F lookup|fetch|abort|lookup_resp req=R round=N [keys=K,…] [slots=S,…] [hits=1,0,…]
+//	send F lookup|fetch|abort|lookup_resp|transfer_done|ping|pong req=R round=N [keys=K,…] [slots=S,…] [hits=1,0,…] [ok=true] [seq=N]
 //	recv F                            the next message the node sent F
 //	idle F                            whether nothing waits for F
 //	blocks F n=N                      F accepts the data connections and reads N blocks
@@ -41,7 +41,8 @@ import (
 //
 // The consumer side: the node's request r fetches from a fake producer.
 //
-//	consumer N F                      node N whose request r names fake producer F, which accepts N's connection
+//	consumer N F [lookup_hold=D]      node N whose request r names fake producer F, which accepts N's connection
+//	progress N                        whether N's manager signalled progress since the last look (drains it)
 //	lookup N K…                       one engine step of r's lookups on N; prints the answers
 //	reply F hits=1,0,…                F answers the last lookup it received
 //	ack F                             F acknowledges the last abort it received
@@ -115,6 +116,20 @@ func (s *protoScenario) do(t *testing.T, c *script.Cmd) string {
 			f.send(wire.Fetch{ReqID: req, Round: round, Keys: keys, Slots: slots})
 		case "abort":
 			f.send(wire.AbortFetch{ReqID: req, Round: round})
+		case "transfer_done":
+			f.send(wire.TransferDone{ReqID: req, Round: round, OK: c.Val("ok", "false") == "true"})
+			synctest.Wait()
+		case "ping", "pong":
+			seq, err := strconv.ParseUint(c.Val("seq", "1"), 10, 64)
+			if err != nil {
+				t.Fatalf("%s: seq: %v", c.Pos, err)
+			}
+			if w[1] == "ping" {
+				f.send(wire.Ping{Seq: seq})
+			} else {
+				f.send(wire.Pong{Seq: seq})
+			}
+			synctest.Wait()
 		case "lookup_resp": // any answer, asked for or not (reply answers the last lookup)
 			var hits []bool
 			for _, h := range list(c.Val("hits", "")) {
@@ -136,7 +151,15 @@ func (s *protoScenario) do(t *testing.T, c *script.Cmd) string {
 		}
 		return s.format(m)
 	case "consumer":
-		n := newNode(t, s.mn, nil, 16)
+		var edit func(*Config)
+		if v, ok := c.Lookup("lookup_hold"); ok {
+			d, err := time.ParseDuration(v)
+			if err != nil {
+				t.Fatalf("%s: lookup_hold: %v", c.Pos, err)
+			}
+			edit = func(cfg *Config) { cfg.LookupHold = offload.Duration(d) }
+		}
+		n := newNode(t, s.mn, edit, 16)
 		s.nodes[w[0]] = n
 		l, err := s.mn.Listen(w[1] + ":1")
 		if err != nil {
@@ -245,6 +268,15 @@ func (s *protoScenario) do(t *testing.T, c *script.Cmd) string {
 		f.mu.Unlock()
 	case "pings":
 		return strconv.Itoa(s.fake(t, c, w[0]).Pings())
+	case "progress":
+		n := s.node(t, c, w[0])
+		if len(n.m.Progress()) == 0 {
+			return "no progress"
+		}
+		for len(n.m.Progress()) > 0 {
+			<-n.m.Progress()
+		}
+		return "progress"
 	case "probes":
 		n := s.node(t, c, w[0])
 		var out string
