@@ -97,23 +97,6 @@ func stat(n *node, name string) float64 {
 	return v
 }
 
-// consumerSetup starts a consumer node whose request r names the fake
-// producer, and returns the fake once the request's lookup reached it.
-func consumerSetup(t *testing.T, mn *memNet, keys []offload.Key) (*node, *offload.Request, *fakePeer, wire.Lookup) {
-	return consumerSetupWith(t, mn, keys, nil)
-}
-
-// consumerSetupWith is consumerSetup with the consumer's config edited.
-func consumerSetupWith(t *testing.T, mn *memNet, keys []offload.Key, edit func(*Config)) (*node, *offload.Request, *fakePeer, wire.Lookup) {
-	cons := newNode(t, mn, edit, 16)
-	l, _ := mn.Listen("fakeprod:1")
-	req := &offload.Request{ID: "r", TransferParams: source("kv", "fakeprod:1")}
-	cons.m.Do(func(s *offload.Step) { s.OnNewRequest(req) })
-	f := acceptFake(t, l, "fakeprod")
-	step(cons, req, keys) // Retry: the lookup goes out at the end of the step
-	return cons, req, f, expect[wire.Lookup](t, f)
-}
-
 // step looks keys up in one engine step and returns the answers.
 func step(n *node, req *offload.Request, keys []offload.Key) []offload.Result {
 	var out []offload.Result
