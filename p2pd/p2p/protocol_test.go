@@ -3,7 +3,6 @@ package p2p
 import (
 	"context"
 	"encoding/binary"
-	"errors"
 	"hash/crc32"
 	"io"
 	"net"
@@ -106,46 +105,6 @@ func step(n *node, req *offload.Request, keys []offload.Key) []offload.Result {
 	}
 	s.OnScheduleEnd()
 	return out
-}
-
-// S6.1: a mismatched handshake (here the hash seed) is rejected with a
-// code both sides see; a configured cluster token must be proven.
-func TestHandshakeRejects(t *testing.T) {
-	for name, tc := range map[string]struct {
-		edit  func(*Config)
-		fake  func(*fakePeer)
-		wants wire.Code
-	}{
-		"hash seed": {fake: func(f *fakePeer) { f.node.HashSeed = "other" }, wants: wire.CodeHashSeed},
-		"no token":  {edit: func(c *Config) { c.ClusterToken = "s3cret" }, wants: wire.CodeAuth},
-		"wrong token": {edit: func(c *Config) { c.ClusterToken = "s3cret" }, fake: func(f *fakePeer) { f.token = "guess" },
-			wants: wire.CodeAuth},
-	} {
-		t.Run(name, func(t *testing.T) {
-			synctest.Test(t, func(t *testing.T) {
-				mn := newMemNet()
-				prod := newNode(t, mn, tc.edit, 4)
-				c, _ := mn.Dial(context.Background(), prod.tier.Addr())
-				f := newFake(t, "fake", "")
-				f.c = c
-				if tc.fake != nil {
-					tc.fake(f)
-				}
-				_, err := f.shaker().dialControl(c)
-				var re *rejectError
-				if !errors.As(err, &re) || re.Code != tc.wants || !re.byPeer {
-					t.Fatalf("handshake: %v, want a reject by the node with code %v", err, tc.wants)
-				}
-				synctest.Wait()
-				if v := stat(prod, "kv_offload_p2p_handshake_rejects_total"); v != 1 {
-					t.Errorf("rejects %v, want 1", v)
-				}
-				if n := len(prod.tier.Peers()); n != 0 {
-					t.Errorf("%d sessions after a rejected handshake", n)
-				}
-			})
-		})
-	}
 }
 
 // S7.1: the consumer accepts blocks only for (round, slot) pairs it

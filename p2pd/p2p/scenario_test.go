@@ -2,6 +2,7 @@ package p2p
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"path/filepath"
@@ -24,7 +25,6 @@ import (
 //
 // Commands (keys k1, k2, … of one chain):
 //
-//	node N [slots=16]                 a node with a P2P tier
 //	store N K… | write N K…           blocks ready in N's CPU tier, or being written (never completed)
 //	listen F                          F's data port, which the node dials to write blocks
 //	connect F N                       fake peer F connects to node N and completes the handshake
@@ -34,6 +34,8 @@ import (
 //	blocks F n=N                      F accepts the data connections and reads N blocks
 //	sleep D | wait                    advance the fake clock by D; wait for the bubble
 //	pins N | stat N NAME | errors N REASON
+//	node N [slots=16] [token=T]        a node with a P2P tier (and a cluster token)
+//	handshake F N [token=T] [hash_seed=S]  F dials N and runs the handshake by hand; how it ended
 //	sessions N                        N's sessions, and the consumers it can find a session for
 //	complete N K…                     the store that "write" began finishes
 //	reset N | reset-done N            a cache reset starts (it may wait on transfers); its end
@@ -79,7 +81,39 @@ func (s *protoScenario) do(t *testing.T, c *script.Cmd) string {
 	switch c.Name {
 	case "node":
 		slots, _ := strconv.Atoi(c.Val("slots", "16"))
-		s.nodes[w[0]] = newNode(t, s.mn, nil, slots)
+		var edit func(*Config)
+		if tok, ok := c.Lookup("token"); ok {
+			edit = func(cfg *Config) { cfg.ClusterToken = tok }
+		}
+		s.nodes[w[0]] = newNode(t, s.mn, edit, slots)
+	case "handshake":
+		// F dials N and runs the handshake by hand, with its own token and
+		// hash seed; prints how it ended.
+		n := s.node(t, c, w[1])
+		conn, err := s.mn.Dial(context.Background(), n.tier.Addr())
+		if err != nil {
+			t.Fatal(err)
+		}
+		f := newFake(t, w[0], c.Val("token", ""))
+		f.c = conn
+		if seed, ok := c.Lookup("hash_seed"); ok {
+			f.node.HashSeed = seed
+		}
+		_, err = f.shaker().dialControl(conn)
+		if err == nil {
+			f.serve() // a connected fake peer, like connect's
+			s.fakes[w[0]] = f
+			synctest.Wait()
+			return "connected"
+		}
+		conn.Close()
+		synctest.Wait()
+		var re *rejectError
+		switch {
+		case errors.As(err, &re):
+			return fmt.Sprintf("rejected code=%v by_peer=%v", re.Code, re.byPeer)
+		}
+		return "failed: " + err.Error()
 	case "store":
 		s.node(t, c, w[0]).store(t, s.keysOf(t, c, w[1:]))
 	case "write":
