@@ -14,9 +14,10 @@
 // (so an output has no blank lines). With -update the files are rewritten
 // with the outputs the commands printed.
 //
-// It lives in offload, which every module may import, so that the tests of
-// each (the tiering manager's, the P2P protocol's) share one runner; it
-// uses the standard library only and is imported by tests only.
+// It lives in offload so that the tests of p2pd (which may not import
+// testing/) and of testing/ share one runner: testing/tiering's manager
+// scenarios and p2pd/p2p's protocol scenarios. It uses the standard
+// library only and is imported by tests only.
 package script
 
 import (

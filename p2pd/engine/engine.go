@@ -1,6 +1,7 @@
 // Package engine is p2pd's reference engine core: a scheduler loop in one
-// goroutine that runs requests through the tiering manager, one manager
-// step a loop turn, and an Executor, the part a real engine replaces: the
+// goroutine that runs requests through the tiering manager (one scheduling
+// step a loop turn; a copy's end is reported through Do, a step too), and
+// an Executor, the part a real engine replaces: the
 // reference one "computes" KV blocks deterministically from their keys in
 // a GPU cache (cudakv device memory when a GPU is present, host memory
 // otherwise) and copies them between that cache and the CPU tier with

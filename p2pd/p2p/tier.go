@@ -21,8 +21,9 @@ import (
 )
 
 // Tier is the P2P secondary tier. Its methods run under the manager lock
-// (the offload.Tier contract); its socket goroutines only post closures to
-// an event queue and wake the poll goroutine, which runs them in Serve.
+// (the offload.Tier contract); its socket and data-plane goroutines only
+// post typed events (events.go) to a queue and wake the poll goroutine,
+// which applies them in Serve.
 type Tier struct {
 	cfg        Config
 	node       offload.Config

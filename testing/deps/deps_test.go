@@ -20,7 +20,8 @@ const prefix = "github.com/kvtier/kvtier/"
 
 // allowed lists, per module, the other kvtier modules and outside
 // modules its code (tests included) may import; the standard library is
-// always allowed. ARCHITECTURE.md "Modules" is the source.
+// always allowed. The module table of the shared ARCHITECTURE.md is the
+// source (issue 13 added ctl → p2pd/api).
 var allowed = map[string][]string{
 	"offload": {"golang.org/x/sys"},
 	"nixlgo":  {},
