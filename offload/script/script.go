@@ -25,8 +25,10 @@ import (
 	"flag"
 	"fmt"
 	"os"
+	"path/filepath"
 	"strings"
 	"testing"
+	"testing/synctest"
 )
 
 var update = flag.Bool("update", false, "rewrite the scripts' expected outputs with what the commands printed")
@@ -207,6 +209,18 @@ func parse(path string) (blocks []block, trailing []string, err error) {
 		return nil, nil, err
 	}
 	return blocks, comments, nil
+}
+
+// RunDir runs every script of dir (Files) as a subtest named after it, each
+// in its own testing/synctest bubble (fake time), with the command
+// function that start returns for it (fresh state per script).
+func RunDir(t *testing.T, dir string, start func(t *testing.T) func(t *testing.T, c *Cmd) string) {
+	t.Helper()
+	for _, path := range Files(t, dir) {
+		t.Run(strings.TrimSuffix(filepath.Base(path), ".txt"), func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) { Run(t, path, start(t)) })
+		})
+	}
 }
 
 // Files lists the scripts of a testdata directory.

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"net"
-	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
@@ -52,15 +51,11 @@ import (
 //	cpu N                             N's CPU slots being written, and P2P promotion failures
 //	probes N                          r's keys asked and unanswered, the keys it tracks, whether the peer is busy
 func TestScenarios(t *testing.T) {
-	for _, path := range script.Files(t, "testdata") {
-		t.Run(strings.TrimSuffix(filepath.Base(path), ".txt"), func(t *testing.T) {
-			synctest.Test(t, func(t *testing.T) {
-				s := &protoScenario{mn: newMemNet(), nodes: map[string]*node{}, fakes: map[string]*fakePeer{},
-					data: map[string]net.Listener{}, keys: testKeys(1, 32), start: time.Now(), last: map[string]wire.Msg{}}
-				script.Run(t, path, s.do)
-			})
-		})
-	}
+	script.RunDir(t, "testdata", func(*testing.T) func(*testing.T, *script.Cmd) string {
+		s := &protoScenario{mn: newMemNet(), nodes: map[string]*node{}, fakes: map[string]*fakePeer{},
+			data: map[string]net.Listener{}, keys: testKeys(1, 32), start: time.Now(), last: map[string]wire.Msg{}}
+		return s.do
+	})
 }
 
 type protoScenario struct {

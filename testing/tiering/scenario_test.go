@@ -3,7 +3,6 @@ package tiering
 import (
 	"context"
 	"fmt"
-	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
@@ -40,14 +39,10 @@ import (
 //	calls T                   what the manager asked of tier T
 //	reset                     ResetCache
 func TestScenarios(t *testing.T) {
-	for _, path := range script.Files(t, "testdata") {
-		t.Run(strings.TrimSuffix(filepath.Base(path), ".txt"), func(t *testing.T) {
-			synctest.Test(t, func(t *testing.T) {
-				s := &scenario{reqs: map[string]*offload.Request{}, start: time.Now()}
-				script.Run(t, path, s.do)
-			})
-		})
-	}
+	script.RunDir(t, "testdata", func(*testing.T) func(*testing.T, *script.Cmd) string {
+		s := &scenario{reqs: map[string]*offload.Request{}, start: time.Now()}
+		return s.do
+	})
 }
 
 type scenario struct {

@@ -246,6 +246,9 @@ func (c *Consumer) LookupResp(m wire.LookupResp) error {
 	if err := c.checkRound(m.Round); err != nil {
 		return err
 	}
+	if len(m.Hits) != len(m.Keys) {
+		return fmt.Errorf("%w: an answer of %d hits for %d keys", ErrMalformed, len(m.Hits), len(m.Keys))
+	}
 	r := c.reqs[m.ReqID]
 	if r == nil || r.round != m.Round {
 		return nil // late: the request finished or fetched already

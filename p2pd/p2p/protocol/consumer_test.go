@@ -1,6 +1,7 @@
 package protocol
 
 import (
+	"errors"
 	"strings"
 	"testing"
 	"time"
@@ -123,5 +124,19 @@ func TestConsumerMergeRounds(t *testing.T) {
 	a.Load(rb, &offload.Job{ID: 9, Keys: []offload.Key{key(2)}, Slots: []int32{3}}, true, t0)
 	if got := takeShow(a); !strings.Contains(got, "ExpectBlocks") {
 		t.Fatalf("load after merge: %s", got)
+	}
+}
+
+// A second wire dialect may hand the machine any frame: an answer whose
+// hits do not match its keys is a protocol error, not a panic.
+func TestConsumerMalformedAnswer(t *testing.T) {
+	_, c := newCons()
+	r := c.Add(&offload.Request{ID: "r"}, "kv")
+	r.Probe([]offload.Key{key(1), key(2)})
+	c.Ask(time.Unix(1000, 0))
+	c.Take()
+	err := c.LookupResp(wire.LookupResp{ReqID: "kv", Round: 1, Keys: []wire.Key{key(1), key(2)}, Hits: []bool{true}})
+	if !errors.Is(err, ErrMalformed) {
+		t.Errorf("2 keys, 1 hit: %v, want ErrMalformed", err)
 	}
 }
