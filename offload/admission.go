@@ -8,15 +8,17 @@ import (
 
 // Admission decides which transfers to secondary tiers start (S2.7). It is
 // asked before any pin, slot or job id is taken, so a refusal costs nothing.
+// now is the manager's time (Config.Now, read once per hold of its lock):
+// an Admission reads no clock of its own.
 type Admission interface {
 	// Admit says whether a transfer of n blocks to or from tier may start.
-	Admit(tier, n int, promotion bool) bool
+	Admit(tier, n int, promotion bool, now time.Time) bool
 	// Completed sees every finished job, before the CPU tier is updated.
-	Completed(job *Job, res JobResult, blockBytes int)
+	Completed(job *Job, res JobResult, blockBytes int, now time.Time)
 	// Reset forgets everything learned (cache reset).
 	Reset()
 	// Stats reports tier's detector, if it has one.
-	Stats(tier int) (AdmissionStats, bool)
+	Stats(tier int, now time.Time) (AdmissionStats, bool)
 }
 
 // AdmissionStats is the state of one tier's backpressure detector.
@@ -30,10 +32,10 @@ type AdmissionStats struct {
 // Always admits every transfer.
 type Always struct{}
 
-func (Always) Admit(int, int, bool) bool        { return true }
-func (Always) Completed(*Job, JobResult, int)   {}
-func (Always) Reset()                           {}
-func (Always) Stats(int) (AdmissionStats, bool) { return AdmissionStats{}, false }
+func (Always) Admit(int, int, bool, time.Time) bool        { return true }
+func (Always) Completed(*Job, JobResult, int, time.Time)   {}
+func (Always) Reset()                                      {}
+func (Always) Stats(int, time.Time) (AdmissionStats, bool) { return AdmissionStats{}, false }
 
 // Backpressure drops cascades to a tier whose store latency (an EMA of
 // seconds per MiB) rose above its high-water mark, until it falls below the
@@ -105,12 +107,12 @@ func NewBackpressure(specs []TierSpec) (*Backpressure, error) {
 	return b, nil
 }
 
-func (b *Backpressure) Admit(tier, n int, promotion bool) bool {
+func (b *Backpressure) Admit(tier, n int, promotion bool, now time.Time) bool {
 	if promotion || tier >= len(b.detectors) {
 		return true
 	}
 	d := b.detectors[tier]
-	d.decay(time.Now())
+	d.decay(now)
 	if d.pressured {
 		d.dropped[0]++
 		d.dropped[1] += uint64(n)
@@ -119,7 +121,7 @@ func (b *Backpressure) Admit(tier, n int, promotion bool) bool {
 	return true
 }
 
-func (b *Backpressure) Completed(job *Job, res JobResult, blockBytes int) {
+func (b *Backpressure) Completed(job *Job, res JobResult, blockBytes int, now time.Time) {
 	if job.Promotion || job.Lease || !res.OK || job.Tier >= len(b.detectors) {
 		return
 	}
@@ -129,12 +131,12 @@ func (b *Backpressure) Completed(job *Job, res JobResult, blockBytes int) {
 	}
 	elapsed := res.Duration
 	if elapsed <= 0 {
-		elapsed = time.Since(job.Submitted)
+		elapsed = now.Sub(job.Submitted)
 	}
 	if bytes <= 0 {
 		return
 	}
-	b.detectors[job.Tier].observe(elapsed.Seconds()/(float64(bytes)/(1<<20)), time.Now())
+	b.detectors[job.Tier].observe(elapsed.Seconds()/(float64(bytes)/(1<<20)), now)
 }
 
 // decay brings the estimate to now: it halves for every DecayHalfLife
@@ -183,11 +185,11 @@ func (b *Backpressure) Reset() {
 }
 
 // Stats returns tier's detector state.
-func (b *Backpressure) Stats(tier int) (AdmissionStats, bool) {
+func (b *Backpressure) Stats(tier int, now time.Time) (AdmissionStats, bool) {
 	if tier >= len(b.detectors) {
 		return AdmissionStats{}, false
 	}
 	d := b.detectors[tier]
-	d.decay(time.Now())
+	d.decay(now)
 	return AdmissionStats{EMA: d.ema, Pressured: d.pressured, DroppedStores: d.dropped[0], DroppedBlocks: d.dropped[1]}, true
 }

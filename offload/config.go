@@ -48,6 +48,11 @@ type Config struct {
 	DiskConfig
 	// Logger receives the manager's logs; nil discards them.
 	Logger *slog.Logger `json:"-"`
+	// Now is the clock the manager reads: once per hold of its lock (a
+	// step, a pass), and passed from there to the policy (deadlines,
+	// admission, pin ages) and to the tiers (TierEnv.Now). nil means
+	// time.Now; a test sets it to move time by hand.
+	Now func() time.Time `json:"-"`
 }
 
 // DefaultConfig returns the defaults: the qwen3-0.6b geometry, a 1 GiB LRU

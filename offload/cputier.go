@@ -40,6 +40,9 @@ type CPUTier struct {
 	free      []int32 // freed slots, reused last in first out
 	// emit reports stored and removed keys (S2.8); nil reports nothing.
 	emit func(Event)
+	// now is the time pins and writes are stamped with: the manager's
+	// (nowLocked, read once per hold of its lock); time.Now alone.
+	now func() time.Time
 
 	writing, pinned int
 	evictions       uint64
@@ -50,7 +53,7 @@ type CPUTier struct {
 
 // NewCPUTier returns an empty CPU tier over arena using policy.
 func NewCPUTier(arena *Arena, policy Policy) *CPUTier {
-	return &CPUTier{arena: arena, policy: policy, entries: make(map[Key]*cpuEntry), stamp: 1}
+	return &CPUTier{arena: arena, policy: policy, entries: make(map[Key]*cpuEntry), stamp: 1, now: time.Now}
 }
 
 // lookupProtect is Lookup that also keeps a Hit from being evicted until
@@ -149,7 +152,7 @@ func (c *CPUTier) reserve(keys []Key, writer Owner, supersede bool) (added []Key
 			c.detach(k, e)
 		}
 	}
-	now := time.Now()
+	now := c.now()
 	slots = make([]int32, len(added))
 	for i, k := range added {
 		var s int32
@@ -201,7 +204,7 @@ func (c *CPUTier) release(k Key) {
 // by writer are left alone. It returns the keys it changed and the longest
 // time one of them was being written.
 func (c *CPUTier) Commit(keys []Key, writer Owner, ok bool) (done []Key, took time.Duration) {
-	now := time.Now()
+	now := c.now()
 	for _, k := range keys {
 		e, found := c.entries[k]
 		if !found || !e.writing || e.writer != writer {
@@ -242,7 +245,7 @@ func (c *CPUTier) Pin(keys []Key, owner Owner, access bool) ([]int32, error) {
 			return nil, fmt.Errorf("%w: key %v is %v in the CPU tier", ErrNotReady, k, c.Lookup(k))
 		}
 	}
-	now := time.Now()
+	now := c.now()
 	slots := make([]int32, len(keys))
 	for i, k := range keys {
 		e := c.entries[k]
@@ -265,7 +268,7 @@ func (c *CPUTier) Pin(keys []Key, owner Owner, access bool) ([]int32, error) {
 func (c *CPUTier) Unpin(keys []Key, owner Owner) (time.Duration, error) {
 	var missing []Key
 	var held time.Duration
-	now := time.Now()
+	now := c.now()
 	for _, k := range keys {
 		e, ok := c.entries[k]
 		i := -1
@@ -395,7 +398,7 @@ func (c *CPUTier) Touch(keys []Key) {
 
 // Audit lists the pins held longer than olderThan, oldest first (S1.3).
 func (c *CPUTier) Audit(olderThan time.Duration) []PinInfo {
-	now := time.Now()
+	now := c.now()
 	var out []PinInfo
 	for k, e := range c.entries {
 		for _, p := range e.pins {

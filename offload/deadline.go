@@ -30,15 +30,11 @@ type deadline struct {
 // trackPendingLocked records or checks the deadline of (st, k) for the
 // answer r and returns the answer to give. The deadline starts at the first
 // HitPending or Retry and is never refreshed, also not when the answer
-// alternates between the two (S4.2, S4.7). *clock is the time to use,
-// read from the clock here when still zero.
-func (m *Manager) trackPendingLocked(st *reqState, k Key, r Result, clock *time.Time) Result {
+// alternates between the two (S4.2, S4.7).
+func (m *Manager) trackPendingLocked(st *reqState, k Key, r Result) Result {
 	switch r {
 	case HitPending, Retry:
-		if clock.IsZero() {
-			*clock = time.Now()
-		}
-		now := *clock
+		now := m.nowLocked()
 		d, ok := st.deadlines[k]
 		if !ok {
 			if st.deadlines == nil {

@@ -12,7 +12,7 @@ package offload
 // keep-alive when more than one secondary tier is configured and one of
 // them is not polled.
 func (m *Manager) HasPendingWork() bool {
-	m.mu.Lock()
+	m.lock()
 	defer m.mu.Unlock()
 	if m.mu.closed {
 		return false

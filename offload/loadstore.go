@@ -7,7 +7,6 @@ package offload
 import (
 	"fmt"
 	"slices"
-	"time"
 )
 
 // PrepareLoad pins keys for a CPU → GPU copy on behalf of req and returns
@@ -155,7 +154,7 @@ func (m *Manager) cascadeLocked(keys []Key, req *Request, tier int) {
 }
 
 func (m *Manager) createStoreJobLocked(keys []Key, req *Request, tier int) (*Job, error) {
-	if len(keys) == 0 || m.mu.resetting || !m.mu.admission.Admit(tier, len(keys), false) {
+	if len(keys) == 0 || m.mu.resetting || !m.mu.admission.Admit(tier, len(keys), false, m.nowLocked()) {
 		return nil, nil
 	}
 	return m.pinJobLocked("create store job", keys, req, tier, false)
@@ -171,7 +170,7 @@ func (m *Manager) pinJobLocked(op string, keys []Key, req *Request, tier int, le
 		return nil, fmt.Errorf("%s for tier %d: %w", op, tier, err)
 	}
 	m.mu.nextJob++
-	j := &Job{ID: id, Tier: tier, Epoch: m.mu.epoch, Lease: lease, Keys: slices.Clone(keys), Slots: slots, Req: req, Submitted: time.Now()}
+	j := &Job{ID: id, Tier: tier, Epoch: m.mu.epoch, Lease: lease, Keys: slices.Clone(keys), Slots: slots, Req: req, Submitted: m.nowLocked()}
 	m.mu.jobs[id] = j
 	return j, nil
 }

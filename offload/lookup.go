@@ -9,7 +9,6 @@ import (
 	"errors"
 	"fmt"
 	"slices"
-	"time"
 )
 
 // Lookup answers whether key can be loaded for req (S2.1): Hit when it is
@@ -23,7 +22,7 @@ func (s *Step) Lookup(k Key, req *Request) Result {
 	if s.check("lookup") != nil {
 		return Miss
 	}
-	return s.m.lookupLocked(k, req, -1, &s.now)
+	return s.m.lookupLocked(k, req, -1)
 }
 
 // LookupPrefix scans keys in order the way an engine does: past Retry and
@@ -49,9 +48,7 @@ func (s *Step) LookupPrefix(keys []Key, req *Request) (hits int, settled bool) {
 	return hits, settled
 }
 
-// now is the caller's clock reading, taken when first needed (zero until
-// then), so a step's lookups read the clock once between them.
-func (m *Manager) lookupLocked(k Key, req *Request, exclude int, now *time.Time) Result {
+func (m *Manager) lookupLocked(k Key, req *Request, exclude int) Result {
 	st := req.st
 	if st == nil {
 		// S4.8: no state for a request nothing would ever finish.
@@ -67,7 +64,7 @@ func (m *Manager) lookupLocked(k Key, req *Request, exclude int, now *time.Time)
 	if m.mu.resetting {
 		return Miss // S5.1: nothing new starts while the cache resets
 	}
-	return m.trackPendingLocked(st, k, m.lookupTiersLocked(k, req, exclude), now)
+	return m.trackPendingLocked(st, k, m.lookupTiersLocked(k, req, exclude))
 }
 
 func (m *Manager) lookupTiersLocked(k Key, req *Request, exclude int) Result {
@@ -124,7 +121,7 @@ func (m *Manager) lookupTierLocked(i int, t Tier, k Key, req *Request) (r Result
 // promoteLocked reserves a CPU slot for k and queues it on the (tier, req)
 // promotion of this pass.
 func (m *Manager) promoteLocked(tier int, k Key, req *Request) bool {
-	if m.mu.resetting || !m.mu.admission.Admit(tier, 1, true) {
+	if m.mu.resetting || !m.mu.admission.Admit(tier, 1, true, m.nowLocked()) {
 		return false
 	}
 	i := slices.IndexFunc(m.mu.pending, func(j *Job) bool { return j.Tier == tier && j.Req == req })
@@ -164,7 +161,7 @@ func (m *Manager) flushPromotionsLocked() {
 	}
 	m.mu.pending = nil
 	slices.SortStableFunc(pending, func(a, b *Job) int { return cmp.Compare(a.Tier, b.Tier) })
-	now := time.Now()
+	now := m.nowLocked()
 	for _, j := range pending {
 		j.Submitted = now
 		m.mu.jobs[j.ID] = j

@@ -21,6 +21,7 @@ type Manager struct {
 	specs      []TierSpec
 	progress   chan struct{}
 
+	now          func() time.Time // Config.Now: read through nowLocked, or by the poll goroutine
 	pollInterval time.Duration
 	hitTimeout   time.Duration
 	wake         chan struct{} // wakes the poll goroutine
@@ -54,6 +55,10 @@ type Manager struct {
 		probeKeys  []Key            // flushProbesLocked's scratch
 		probeFirst map[*Request]int // flushProbesLocked's scratch, emptied each pass
 
+		// now is this hold's time (nowLocked): zero until first needed,
+		// cleared when the lock is taken.
+		now time.Time
+
 		deadlineAt time.Time // the nearest HitPending or Retry deadline the clock was asked for
 		deadlines  int       // HitPending/Retry deadlines live in all requests
 		reset      *resetWait
@@ -70,8 +75,12 @@ func New(cfg Config, specs ...TierSpec) (*Manager, error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	m := &Manager{cfg: cfg, log: log, blockBytes: cfg.Geometry.BlockBytes(), specs: slices.Clone(specs),
-		progress: make(chan struct{}, 1), wake: make(chan struct{}, 1), stop: make(chan struct{}), clock: newClock(len(specs)),
+	now := cfg.Now
+	if now == nil {
+		now = time.Now
+	}
+	m := &Manager{cfg: cfg, log: log, now: now, blockBytes: cfg.Geometry.BlockBytes(), specs: slices.Clone(specs),
+		progress: make(chan struct{}, 1), wake: make(chan struct{}, 1), stop: make(chan struct{}), clock: newClock(len(specs), now),
 		pollInterval: time.Duration(cfg.TierPollInterval), hitTimeout: time.Duration(cfg.HitPendingTimeout)}
 	for i, s := range specs {
 		if s.Name == "" || s.New == nil {
@@ -104,6 +113,7 @@ func New(cfg Config, specs ...TierSpec) (*Manager, error) {
 	}
 	m.mu.cpu = NewCPUTier(arena, policy)
 	m.mu.cpu.emit = m.emitter("cpu")
+	m.mu.cpu.now = m.nowLocked
 	m.mu.jobs = make(map[uint64]*Job)
 	m.mu.reqs = make(map[string]*reqState)
 	m.mu.counters = newCounters(len(specs))
@@ -113,7 +123,7 @@ func New(cfg Config, specs ...TierSpec) (*Manager, error) {
 	m.pollAlive.Store(m.polling)
 	for i, s := range specs {
 		var t Tier
-		env := TierEnv{Index: i, Wake: m.wakeFor(i), WakeAt: m.tierWakeAt(i), Progress: m.signalProgress, Emit: m.emitter(s.Name),
+		env := TierEnv{Index: i, Wake: m.wakeFor(i), WakeAt: m.tierWakeAt(i), Now: m.now, Progress: m.signalProgress, Emit: m.emitter(s.Name),
 			Arena: arena, Logger: log.With("tier", s.Name)}
 		if perr := m.tierCall(i, "new", func() { t, err = s.New(env) }); perr != nil {
 			err = perr
@@ -131,6 +141,22 @@ func New(cfg Config, specs ...TierSpec) (*Manager, error) {
 	m.pollDone = make(chan struct{})
 	go m.pollLoop() // stopped by Close
 	return m, nil
+}
+
+// lock takes the manager lock; the hold's time is not read yet.
+func (m *Manager) lock() {
+	m.mu.Lock()
+	m.mu.now = time.Time{}
+}
+
+// nowLocked is the time of this hold of the manager lock (issue 13, time
+// is an input): Config.Now is read once, when first needed, and every
+// deadline, stamp and admission decision of the hold uses that reading.
+func (m *Manager) nowLocked() time.Time {
+	if m.mu.now.IsZero() {
+		m.mu.now = m.now()
+	}
+	return m.mu.now
 }
 
 // wakeFor returns tier i's Wake: a polled tier wakes the poll goroutine
@@ -156,7 +182,7 @@ func signal(c chan struct{}) {
 // Callers that hold the tier's own handle (the node's admin API, tests)
 // still touch its state only where the tier says so.
 func (m *Manager) Tier(name string) Tier {
-	m.mu.Lock()
+	m.lock()
 	defer m.mu.Unlock()
 	for i, s := range m.specs {
 		if s.Name == name && i < len(m.mu.tiers) {
@@ -186,7 +212,7 @@ func (m *Manager) signalProgress() { signal(m.progress) }
 
 // Audit lists the CPU tier's pins held longer than olderThan (S1.3).
 func (m *Manager) Audit(olderThan time.Duration) []PinInfo {
-	m.mu.Lock()
+	m.lock()
 	defer m.mu.Unlock()
 	return m.mu.cpu.Audit(olderThan)
 }
@@ -195,7 +221,7 @@ func (m *Manager) Audit(olderThan time.Duration) []PinInfo {
 // If a tier fails to close, the arena stays mapped, since that tier may
 // still touch it. Close is idempotent.
 func (m *Manager) Close() error {
-	m.mu.Lock()
+	m.lock()
 	if m.mu.closed {
 		m.mu.Unlock()
 		return nil
@@ -207,7 +233,7 @@ func (m *Manager) Close() error {
 	close(m.stop)
 	<-m.pollDone
 	m.closeEvents()
-	m.mu.Lock()
+	m.lock()
 	defer m.mu.Unlock()
 	return m.closeLocked()
 }

@@ -124,7 +124,7 @@ type TierMetrics struct {
 
 // Metrics returns a snapshot of the manager's metrics.
 func (m *Manager) Metrics() Metrics {
-	m.mu.Lock()
+	m.lock()
 	defer m.mu.Unlock()
 	c := &m.mu.counters
 	a := m.mu.cpu.Arena()
@@ -152,7 +152,7 @@ func (m *Manager) Metrics() Metrics {
 		if i > 0 {
 			t.Name = m.specs[i-1].Name
 			t.PromotionFailures, t.CascadeFailures = c.jobFailures[i-1][dirRead], c.jobFailures[i-1][dirWrite]
-			if st, ok := m.mu.admission.Stats(i - 1); ok {
+			if st, ok := m.mu.admission.Stats(i-1, m.nowLocked()); ok {
 				t.Backpressure = &st
 			}
 			if r, ok := m.mu.tiers[i-1].(StatsReporter); ok {

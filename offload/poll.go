@@ -35,6 +35,7 @@ const (
 // timer instead of bringing an idle node a pass.
 type clock struct {
 	mu    sync.Mutex
+	now   func() time.Time // Config.Now
 	timer *time.Timer
 	at    time.Time   // when the timer fires; zero while it is disarmed
 	own   time.Time   // the manager's earliest ask (poll tick, backoff, reset); zero: none
@@ -42,10 +43,10 @@ type clock struct {
 	tiers []time.Time // per tier, its earliest ask since its last Serve
 }
 
-func newClock(tiers int) clock {
+func newClock(tiers int, now func() time.Time) clock {
 	t := time.NewTimer(time.Hour)
 	t.Stop()
-	return clock{timer: t, tiers: make([]time.Time, tiers)}
+	return clock{now: now, timer: t, tiers: make([]time.Time, tiers)}
 }
 
 func earlier(a, b time.Time) time.Time {
@@ -69,7 +70,7 @@ func (c *clock) rearmLocked() {
 		}
 	case !want.Equal(c.at):
 		c.at = want
-		c.timer.Reset(time.Until(want))
+		c.timer.Reset(want.Sub(c.now()))
 	}
 }
 
@@ -171,9 +172,9 @@ func (m *Manager) pollLoop() {
 		case <-wake:
 			woken = true
 		case <-m.clock.timer.C:
-			tierDue = m.clock.fired(time.Now())
+			tierDue = m.clock.fired(m.now())
 		}
-		now := time.Now()
+		now := m.now()
 		service := woken || tierDue || (!tick.IsZero() && !now.Before(tick))
 		if fails.count > 0 && now.Before(tick) {
 			service = false // S3.3: no attempt before the backoff ends
@@ -181,7 +182,8 @@ func (m *Manager) pollLoop() {
 		if !service {
 			// A deadline of the manager's own, or a tier's while backing
 			// off: expire, signal, serve no tier.
-			m.mu.Lock()
+			m.lock()
+			m.mu.now = now
 			if !m.mu.closed {
 				m.clockPassLocked(now, tierDue)
 			}
@@ -218,9 +220,9 @@ type failureLog struct {
 }
 
 func (m *Manager) pollFailed(f *failureLog, err error) {
-	now := time.Now()
+	now := m.now()
 	f.count++
-	m.mu.Lock()
+	m.lock()
 	m.mu.counters.pollErrors++
 	m.mu.counters.pollBackoffs++
 	m.mu.Unlock()
@@ -242,7 +244,8 @@ func (m *Manager) pollFailed(f *failureLog, err error) {
 // polled tier still has pending work, and any error from a tier, a panic
 // included (S2.11: every call into a tier is recovered by tierCall).
 func (m *Manager) pollPass(now time.Time, tierDue bool) (again bool, err error) {
-	m.mu.Lock()
+	m.lock()
+	m.mu.now = now
 	defer m.unlock()
 	if m.mu.closed {
 		return false, nil

@@ -32,7 +32,7 @@ const resetWarnAfter = 5 * time.Second
 // transfer ends — and a result from before the reset never makes a block
 // readable. Secondary tiers keep their data.
 func (m *Manager) ResetCache(ctx context.Context) error {
-	m.mu.Lock()
+	m.lock()
 	switch {
 	case m.mu.closed:
 		m.mu.Unlock()
@@ -49,7 +49,7 @@ func (m *Manager) ResetCache(ctx context.Context) error {
 	}
 	// Phase 2 is the poll goroutine's: it collects every tier's results
 	// until none is in flight (resetWaitLocked).
-	w := &resetWait{start: time.Now(), drained: make(chan struct{})}
+	w := &resetWait{start: m.nowLocked(), drained: make(chan struct{})}
 	m.mu.reset = w
 	m.unlock()
 	m.wakeAt(w.start)
@@ -57,14 +57,14 @@ func (m *Manager) ResetCache(ctx context.Context) error {
 	case <-w.drained:
 	case <-m.stop: // Close: the poll goroutine no longer drives the wait
 	case <-ctx.Done():
-		m.mu.Lock()
+		m.lock()
 		inFlight := len(m.mu.jobs)
 		m.unlock()
 		m.log.Warn("offload: cache reset proceeding with transfers in flight; their slots stay detached until they end",
 			"in_flight", inFlight, "err", context.Cause(ctx))
 	}
 
-	m.mu.Lock()
+	m.lock()
 	defer m.unlock()
 	if m.mu.closed {
 		return ErrClosed

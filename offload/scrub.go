@@ -35,7 +35,7 @@ var scrubOwner = JobOwner(^uint64(0))
 // runs may be left for the next scrub. ctx bounds it.
 func (m *Manager) Scrub(ctx context.Context) (ScrubResult, error) {
 	var res ScrubResult
-	m.mu.Lock()
+	m.lock()
 	keys := slices.Collect(maps.Keys(m.mu.cpu.entries))
 	m.unlock()
 	arena := m.Arena()
@@ -45,7 +45,7 @@ func (m *Manager) Scrub(ctx context.Context) (ScrubResult, error) {
 		}
 		batch := keys[:min(scrubBatch, len(keys))]
 		keys = keys[len(batch):]
-		m.mu.Lock()
+		m.lock()
 		var pinned []Key
 		var slots []int32
 		var ents []*cpuEntry
@@ -68,7 +68,7 @@ func (m *Manager) Scrub(ctx context.Context) (ScrubResult, error) {
 			}
 			res.Checked++
 		}
-		m.mu.Lock()
+		m.lock()
 		m.mu.cpu.Unpin(pinned, scrubOwner)
 		removed := 0
 		for _, i := range bad { // the entry scrubbed, not whatever holds its key now

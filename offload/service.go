@@ -8,7 +8,6 @@ import (
 	"errors"
 	"fmt"
 	"slices"
-	"time"
 )
 
 // serviceLocked is the one service pass, of the step's end and of the poll
@@ -131,10 +130,10 @@ func (m *Manager) applyResultLocked(tier int, r JobResult) {
 		}
 		return
 	}
-	m.mu.admission.Completed(j, r, m.blockBytes)
+	m.mu.admission.Completed(j, r, m.blockBytes, m.nowLocked())
 	took := r.Duration
 	if took <= 0 {
-		took = time.Since(j.Submitted)
+		took = m.nowLocked().Sub(j.Submitted)
 	}
 	c := &m.mu.counters
 	if !j.Promotion {
@@ -191,8 +190,7 @@ func (p *parent) Lookup(k Key, req *Request) Result {
 	if p.m.mu.resetting {
 		return Miss // S5.1: peer lookups answer Miss while the cache resets
 	}
-	var now time.Time
-	return p.m.lookupLocked(k, req, p.tier, &now)
+	return p.m.lookupLocked(k, req, p.tier)
 }
 
 // Lease implements Parent: pins for an outside request, never refused by

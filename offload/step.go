@@ -7,7 +7,6 @@ package offload
 import (
 	"errors"
 	"fmt"
-	"time"
 )
 
 // Step is the manager with its lock held: the scheduling phase of an engine
@@ -16,13 +15,12 @@ import (
 type Step struct {
 	m     *Manager
 	ended bool
-	now   time.Time // read once per step, when a deadline first needs it
 }
 
 // Begin starts an engine step: it takes the manager lock and applies the
 // results tiers have reported. End the step with OnScheduleEnd.
 func (m *Manager) Begin() *Step {
-	m.mu.Lock()
+	m.lock()
 	s := &Step{m: m}
 	if !m.mu.closed {
 		m.collectLocked(nil)

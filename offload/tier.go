@@ -233,6 +233,11 @@ type TierEnv struct {
 	// does not service is stepped instead (progress). It never blocks and
 	// may be called from any goroutine, holding any lock.
 	WakeAt func(t time.Time)
+	// Now is the manager's clock (Config.Now): the time a tier's protocol
+	// deadlines are measured in and WakeAt is asked in, so that a test
+	// moving the manager's time moves the tier's too. Any goroutine may
+	// call it.
+	Now func() time.Time
 	// Progress tells the engine that a lookup answer of this tier may have
 	// changed (S2.10), for example when a peer answered; it never blocks.
 	Progress func()

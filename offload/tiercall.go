@@ -3,7 +3,6 @@ package offload
 import (
 	"fmt"
 	"runtime/debug"
-	"time"
 )
 
 // Panic-safe calls into tiers (S2.11). Every call the manager makes into a
@@ -35,7 +34,7 @@ func (m *Manager) tierPanickedLocked(i int, op string, v any) error {
 	err := fmt.Errorf("%w: tier %d (%s) in %s: %v", ErrTierPanic, i, name, op, v)
 	m.mu.counters.tierPanics[i]++
 	l := &m.mu.panicLogs[i]
-	now := time.Now()
+	now := m.nowLocked()
 	switch {
 	case l.count == 0:
 		m.log.Error("offload: tier panicked; treated as the tier's error", "tier", name, "op", op, "panic", v,

@@ -129,9 +129,14 @@ func TestOutsideModules(t *testing.T) {
 // TestOneClock (issue 13): in offload's code only the poll goroutine
 // (poll.go) makes a timer; everything else asks it for a time (wakeAt,
 // TierEnv.WakeAt). A second timer would again take the manager lock on a
-// goroutine of its own.
+// goroutine of its own. And time is an input: policy reads the manager's
+// time (nowLocked, from Config.Now), never the wall clock. time.Now is
+// named only as that clock's default (manager.go, and cputier.go for a
+// CPU tier used alone) and by the disk tier, which measures its own I/O.
 func TestOneClock(t *testing.T) {
 	timers := []string{"AfterFunc", "NewTimer", "NewTicker", "After", "Tick"}
+	reads := []string{"Now", "Since", "Until"}
+	readers := []string{"manager.go", "cputier.go", "disk.go"}
 	dir := filepath.Join(root(t), "offload")
 	found := 0
 	err := filepath.WalkDir(dir, func(path string, d fs.DirEntry, err error) error {
@@ -148,11 +153,18 @@ func TestOneClock(t *testing.T) {
 			if !ok {
 				return true
 			}
-			if pkg, ok := sel.X.(*ast.Ident); ok && pkg.Name == "time" && slices.Contains(timers, sel.Sel.Name) {
+			pkg, ok := sel.X.(*ast.Ident)
+			if !ok || pkg.Name != "time" {
+				return true
+			}
+			if slices.Contains(timers, sel.Sel.Name) {
 				found++
 				if filepath.Base(path) != "poll.go" {
 					t.Errorf("%s: time.%s: only the poll goroutine (offload/poll.go) makes timers; ask its clock (wakeAt)", fset.Position(sel.Pos()), sel.Sel.Name)
 				}
+			}
+			if slices.Contains(reads, sel.Sel.Name) && !slices.Contains(readers, filepath.Base(path)) {
+				t.Errorf("%s: time.%s: policy takes the manager's time (nowLocked, Config.Now), it reads no clock", fset.Position(sel.Pos()), sel.Sel.Name)
 			}
 			return true
 		})

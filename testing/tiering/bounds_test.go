@@ -3,6 +3,7 @@ package tiering
 import (
 	"bytes"
 	"context"
+	"sync/atomic"
 	"testing"
 	"testing/synctest"
 	"time"
@@ -166,5 +167,44 @@ func TestStalledPromotionRecomputed(t *testing.T) {
 				}
 			})
 		})
+	}
+}
+
+// Issue 13, time is an input: the manager reads only Config.Now, so a test
+// that moves that clock by hand drives the Retry bound (S4.7) without
+// sleeping and without synctest. With a wall-clock read anywhere in the
+// lookup path the pair would stay Retry: no real time passes here.
+func TestManagerTakesTime(t *testing.T) {
+	var now atomic.Int64 // nanoseconds past base
+	base := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+	clock := func() time.Time { return base.Add(time.Duration(now.Load())) }
+	tier := fake.NewTier(offload.ChunkLevel)
+	h := newHarness(t, 4, func(c *offload.Config) {
+		c.Now = clock
+		c.HitPendingTimeout = offload.Duration(5 * time.Second)
+	}, tier)
+	ks := keys(1, 1)
+	tier.Answer(ks[0], offload.Retry)
+	req := h.newRequest("r")
+	if got := h.lookups(req, ks); got[0] != offload.Retry {
+		t.Fatalf("first lookup = %v, want retry", got[0])
+	}
+	if d := h.m.NextDeadline(); !d.Equal(base.Add(5 * time.Second)) {
+		t.Errorf("NextDeadline = %v, want the bound at %v (the manager's time plus hit_pending_timeout)", d, base.Add(5*time.Second))
+	}
+	now.Store(int64(4 * time.Second))
+	if got := h.lookups(req, ks); got[0] != offload.Retry {
+		t.Fatalf("lookup 4 s later = %v, want retry (the bound is 5 s)", got[0])
+	}
+	now.Store(int64(5 * time.Second))
+	if got := h.lookups(req, ks); got[0] != offload.Miss {
+		t.Fatalf("lookup 5 s later = %v, want miss (S4.7)", got[0])
+	}
+	if n := h.m.Metrics().RetryTimeouts; n != 1 {
+		t.Errorf("retry timeouts = %d, want 1", n)
+	}
+	h.m.Do(func(s *offload.Step) { s.OnRequestFinished(req) })
+	if d := h.m.NextDeadline(); !d.IsZero() {
+		t.Errorf("NextDeadline after the request = %v, want zero (nothing armed)", d)
 	}
 }
