@@ -54,7 +54,7 @@ func (t *Tier) OnRequestFinished(req *offload.Request) {
 	}
 	req.SetTierState(t.env.Index, nil)
 	c := cr.Consumer()
-	c.Finish(cr, time.Now())
+	c.Finish(cr, t.env.Now())
 	if s := t.consOf[c]; s != nil {
 		t.applyCons(s)
 	} else {
@@ -72,7 +72,7 @@ func (t *Tier) SubmitLoad(job *offload.Job) {
 	}
 	c := cr.Consumer()
 	s := t.consOf[c]
-	c.Load(cr, job, s != nil && !s.dead && s.ready, time.Now())
+	c.Load(cr, job, s != nil && !s.dead && s.ready, t.env.Now())
 	if s == nil {
 		for _, a := range c.Take() {
 			if d, ok := a.(protocol.JobDone); ok {

@@ -3,7 +3,6 @@ package p2p
 import (
 	"fmt"
 	"net"
-	"time"
 
 	"github.com/kvtier/kvtier/p2pd/p2p/protocol"
 	"github.com/kvtier/kvtier/p2pd/wire"
@@ -87,17 +86,17 @@ func (e writeDone) apply(t *Tier) {
 }
 
 func (e blocksArrived) apply(t *Tier) {
-	e.s.cons.BlocksArrived(e.round, e.err, time.Now())
+	e.s.cons.BlocksArrived(e.round, e.err, t.env.Now())
 	t.applyCons(e.s)
 }
 
 func (e unexpected) apply(t *Tier) {
-	e.s.cons.Unexpected(e.round, time.Now())
+	e.s.cons.Unexpected(e.round, t.env.Now())
 	t.applyCons(e.s)
 }
 
 func (e peerRemoved) apply(t *Tier) {
-	e.s.cons.PeerRemoved(time.Now())
+	e.s.cons.PeerRemoved(t.env.Now())
 	t.applyCons(e.s)
 	if !e.s.dead { // a quarantine: the peer stays
 		t.dp.AddPeer(e.peer, e.addr, e.info)

@@ -19,8 +19,51 @@ import (
 
 	"github.com/kvtier/kvtier/offload"
 	"github.com/kvtier/kvtier/offload/crc32c"
+	"github.com/kvtier/kvtier/p2pd/p2p/protocol"
 	"github.com/kvtier/kvtier/p2pd/wire"
 )
+
+// hsConn is an attacker's end of a handshake: frames written and read by
+// hand, a Disconnect read as the node's reject.
+type hsConn struct {
+	c   net.Conn
+	buf []byte
+}
+
+func (h *hsConn) write(m wire.Msg) error {
+	var err error
+	h.buf, err = wire.Write(h.c, h.buf, m)
+	return err
+}
+
+func (h *hsConn) read(limit int) (wire.Msg, error) {
+	p, err := wire.ReadFrame(h.c, nil, limit)
+	if err != nil {
+		return nil, err
+	}
+	m, err := wire.Decode(p)
+	if err != nil {
+		return nil, err
+	}
+	if d, ok := m.(wire.Disconnect); ok {
+		return nil, &rejectError{Code: d.Code, ByPeer: true, Text: d.Reason}
+	}
+	return m, nil
+}
+
+// expectMsg reads a message of type M.
+func expectMsg[M wire.Msg](h *hsConn, limit int) (M, error) {
+	var zero M
+	m, err := h.read(limit)
+	if err != nil {
+		return zero, err
+	}
+	v, ok := m.(M)
+	if !ok {
+		return zero, fmt.Errorf("%v where %v was due", m.Type(), zero.Type())
+	}
+	return v, nil
+}
 
 // rawDial opens a connection to n's P2P port and sends a hello.
 func rawDial(t *testing.T, mn *memNet, n *node, kind wire.ConnKind, id string, inc [16]byte, nonce [32]byte) *hsConn {
@@ -64,17 +107,17 @@ func TestProofReplay(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		mn := newMemNet()
 		n := newNode(t, mn, func(c *Config) { c.ClusterToken = "s3cret" }, 4)
-		me, nonce := peerID{"bob", [16]byte{2}}, newNonce()
-		hs := &handshaker{self: me, token: []byte("s3cret")}
-		h1 := rawDial(t, mn, n, wire.KindControl, me.node, me.inc, nonce)
+		me, nonce := peerID{Node: "bob", Inc: [16]byte{2}}, newNonce()
+		hs := &handshaker{Shaker: protocol.Shaker{Self: me, Token: []byte("s3cret")}}
+		h1 := rawDial(t, mn, n, wire.KindControl, me.Node, me.Inc, nonce)
 		ch, err := expectMsg[wire.Challenge](h1, wire.MaxPreAuthFrame)
 		if err != nil {
 			t.Fatal(err)
 		}
-		a := peerID{ch.NodeID, ch.Incarnation}
-		recorded := hs.controlProof("dialer", me, a, nonce, ch.Nonce, nil)
+		a := peerID{Node: ch.NodeID, Inc: ch.Incarnation}
+		recorded := hs.ControlProof("dialer", me, a, nonce, ch.Nonce, nil)
 		h1.c.Close()
-		h2 := rawDial(t, mn, n, wire.KindControl, me.node, me.inc, nonce)
+		h2 := rawDial(t, mn, n, wire.KindControl, me.Node, me.Inc, nonce)
 		if _, err := expectMsg[wire.Challenge](h2, wire.MaxPreAuthFrame); err != nil {
 			t.Fatal(err)
 		}
@@ -91,25 +134,25 @@ func TestProofReplay(t *testing.T) {
 // the direction and the channel binding: changing any changes it.
 func TestProofBindsTranscript(t *testing.T) {
 	key := []byte("k")
-	d, a := peerID{"d", [16]byte{1}}, peerID{"a", [16]byte{2}}
+	d, a := peerID{Node: "d", Inc: [16]byte{1}}, peerID{Node: "a", Inc: [16]byte{2}}
 	dn, an := [32]byte{3}, [32]byte{4}
-	base := proof(key, "dialer", wire.KindControl, d, a, dn, an, nil)
+	base := protocol.Proof(key, "dialer", wire.KindControl, d, a, dn, an, nil)
 	for name, p := range map[string][32]byte{
-		"label":          proof(key, "acceptor", wire.KindControl, d, a, dn, an, nil),
-		"kind":           proof(key, "dialer", wire.KindData, d, a, dn, an, nil),
-		"swapped ids":    proof(key, "dialer", wire.KindControl, a, d, dn, an, nil),
-		"dialler id":     proof(key, "dialer", wire.KindControl, peerID{"e", d.inc}, a, dn, an, nil),
-		"acceptor inc":   proof(key, "dialer", wire.KindControl, d, peerID{a.node, [16]byte{9}}, dn, an, nil),
-		"dialler nonce":  proof(key, "dialer", wire.KindControl, d, a, [32]byte{5}, an, nil),
-		"acceptor nonce": proof(key, "dialer", wire.KindControl, d, a, dn, [32]byte{5}, nil),
-		"binding":        proof(key, "dialer", wire.KindControl, d, a, dn, an, []byte{1}),
-		"token":          proof([]byte("j"), "dialer", wire.KindControl, d, a, dn, an, nil),
+		"label":          protocol.Proof(key, "acceptor", wire.KindControl, d, a, dn, an, nil),
+		"kind":           protocol.Proof(key, "dialer", wire.KindData, d, a, dn, an, nil),
+		"swapped ids":    protocol.Proof(key, "dialer", wire.KindControl, a, d, dn, an, nil),
+		"dialler id":     protocol.Proof(key, "dialer", wire.KindControl, peerID{Node: "e", Inc: d.Inc}, a, dn, an, nil),
+		"acceptor inc":   protocol.Proof(key, "dialer", wire.KindControl, d, peerID{Node: a.Node, Inc: [16]byte{9}}, dn, an, nil),
+		"dialler nonce":  protocol.Proof(key, "dialer", wire.KindControl, d, a, [32]byte{5}, an, nil),
+		"acceptor nonce": protocol.Proof(key, "dialer", wire.KindControl, d, a, dn, [32]byte{5}, nil),
+		"binding":        protocol.Proof(key, "dialer", wire.KindControl, d, a, dn, an, []byte{1}),
+		"token":          protocol.Proof([]byte("j"), "dialer", wire.KindControl, d, a, dn, an, nil),
 	} {
 		if p == base {
 			t.Errorf("changing the %s leaves the proof unchanged", name)
 		}
 	}
-	if sessionKey(key, d, a) == nil || string(sessionKey(key, d, a)) != string(sessionKey(key, a, d)) {
+	if protocol.SessionKey(key, d, a) == nil || string(protocol.SessionKey(key, d, a)) != string(protocol.SessionKey(key, a, d)) {
 		t.Error("the session key differs between the two sides")
 	}
 }
@@ -130,7 +173,7 @@ func TestDataConnectionAuthentication(t *testing.T) {
 		}
 		f.serve()
 		synctest.Wait()
-		self := peerID{cons.tier.self.NodeID, cons.tier.self.Incarnation}
+		self := peerID{Node: cons.tier.self.NodeID, Inc: cons.tier.self.Incarnation}
 		for name, tc := range map[string]struct {
 			token string
 			inc   [16]byte
@@ -140,7 +183,7 @@ func TestDataConnectionAuthentication(t *testing.T) {
 			"unknown process": {token: "s3cret", inc: [16]byte{0xff}},
 		} {
 			before := stat(cons, "kv_offload_p2p_handshake_rejects_total")
-			spoof := &handshaker{self: peerID{"fake", tc.inc}, token: []byte(tc.token)}
+			spoof := &handshaker{Shaker: protocol.Shaker{Self: peerID{Node: "fake", Inc: tc.inc}, Token: []byte(tc.token)}}
 			dc, _ := mn.Dial(context.Background(), cons.tier.Addr())
 			err := spoof.dialData(dc, self)
 			var re *rejectError
@@ -391,7 +434,7 @@ func TestSessionCap(t *testing.T) {
 		f := newFake(t, "second", "")
 		_, err := f.shaker().dialControl(c)
 		var re *rejectError
-		if !errors.As(err, &re) || re.Code != wire.CodeCapacity || !re.byPeer {
+		if !errors.As(err, &re) || re.Code != wire.CodeCapacity || !re.ByPeer {
 			t.Fatalf("second peer: %v, want a reject with code capacity", err)
 		}
 		synctest.Wait()

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/kvtier/kvtier/offload"
+	"github.com/kvtier/kvtier/p2pd/p2p/protocol"
 	"github.com/kvtier/kvtier/p2pd/wire"
 )
 
@@ -97,9 +98,9 @@ type fakePeer struct {
 
 // fakeShaker is the handshaker of a fake peer named id.
 func (f *fakePeer) shaker() *handshaker {
-	return &handshaker{self: peerID{f.id, f.inc}, token: []byte(f.token), connect: wire.Connect{NodeID: f.id,
+	return &handshaker{Shaker: protocol.Shaker{Self: peerID{Node: f.id, Inc: f.inc}, Token: []byte(f.token), Connect: wire.Connect{NodeID: f.id,
 		Incarnation: f.inc, Version: wire.Version, BlockBytes: uint64(f.node.Geometry.BlockBytes()),
-		Fingerprint: f.node.Fingerprint(), HashSeed: f.node.HashSeed, Addr: f.id + ":1", DataPlane: "tcp"}}
+		Fingerprint: f.node.Fingerprint(), HashSeed: f.node.HashSeed, Addr: f.id + ":1", DataPlane: "tcp"}}}
 }
 
 // connectFake dials n's P2P port as peer id and completes the handshake.

@@ -116,7 +116,7 @@ func TestUnexpectedBlock(t *testing.T) {
 		connectFake(t, mn, cons, "fake") // registers the peer
 		synctest.Wait()
 		c, _ := mn.Dial(context.Background(), cons.tier.Addr())
-		if err := newFake(t, "fake", "").shaker().dialData(c, peerID{cons.tier.self.NodeID, cons.tier.self.Incarnation}); err != nil {
+		if err := newFake(t, "fake", "").shaker().dialData(c, peerID{Node: cons.tier.self.NodeID, Inc: cons.tier.self.Incarnation}); err != nil {
 			t.Fatalf("data handshake: %v", err)
 		}
 		var hdr [wire.DataHeaderSize]byte

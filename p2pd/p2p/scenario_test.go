@@ -106,7 +106,7 @@ func (s *protoScenario) do(t *testing.T, c *script.Cmd) string {
 		var re *rejectError
 		switch {
 		case errors.As(err, &re):
-			return fmt.Sprintf("rejected code=%v by_peer=%v", re.Code, re.byPeer)
+			return fmt.Sprintf("rejected code=%v by_peer=%v", re.Code, re.ByPeer)
 		}
 		return "failed: " + err.Error()
 	case "store":

@@ -99,12 +99,12 @@ func (t *Tier) established(pending *session, c net.Conn, sh shaken) {
 	if pending != nil && pending.dead {
 		pending = nil
 	}
-	cc := &ctrlConn{c: c, dialer: sh.dialer, nonce: sh.dialNonce}
+	cc := &ctrlConn{c: c, dialer: sh.Dialer, nonce: sh.DialNonce}
 	cc.out.cond = sync.NewCond(&cc.out.Mutex)
 	if tc, ok := c.(*net.TCPConn); ok { // exactly a socket: a wrapper (TLS) writes through itself
 		cc.raw, _ = tc.SyscallConn()
 	}
-	pc := sh.peer
+	pc := sh.Peer
 	s := t.byNode[pc.NodeID]
 	if s != nil && s.peerInc != pc.Incarnation {
 		t.kill(s, "new incarnation of the peer")
@@ -152,12 +152,12 @@ func (t *Tier) established(pending *session, c net.Conn, sh shaken) {
 		return
 	}
 	s.ready = true
-	s.live.Received(time.Now())
+	s.live.Received(t.env.Now())
 	t.byNode[s.peer] = s
 	if s.peerAddr != "" && t.byAddr[s.peerAddr] == nil {
 		t.byAddr[s.peerAddr] = s
 	}
-	t.live.add(peerID{s.peer, s.peerInc})
+	t.live.add(peerID{Node: s.peer, Inc: s.peerInc})
 	t.nready.Add(1)
 	t.redialed(s)
 	t.st.sessionsOpened++
@@ -204,7 +204,7 @@ func (t *Tier) retire(cc *ctrlConn) {
 		return
 	}
 	cc.retiring = true
-	cc.retiredAt = time.Now()
+	cc.retiredAt = t.env.Now()
 	cc.queue(wire.Append(nil, wire.Disconnect{Code: wire.CodeDuplicate, Reason: "duplicate connection"}))
 	s := cc.s
 	if len(s.old) >= maxRetiring { // a peer dialling again and again: the oldest goes now
@@ -395,7 +395,7 @@ func (t *Tier) handle(cc *ctrlConn, m wire.Msg) {
 	if s.dead {
 		return
 	}
-	s.live.Received(time.Now())
+	s.live.Received(t.env.Now())
 	if cc == s.conn && s.draining() {
 		if len(s.deferred) >= wire.MaxKeys {
 			t.protocolError(s, "too many frames on a new connection while the old one drains")
@@ -416,7 +416,7 @@ func (t *Tier) handle(cc *ctrlConn, m wire.Msg) {
 		case cc != s.conn:
 			t.closeConn(cc)
 		default:
-			t.kill(s, "peer disconnected: "+m.Code.String()+": "+m.Reason[:min(len(m.Reason), maxPeerText)])
+			t.kill(s, "peer disconnected: "+m.Code.String()+": "+m.Reason[:min(len(m.Reason), protocol.MaxPeerText)])
 		}
 		return
 	case wire.Ping:
@@ -447,7 +447,7 @@ var errProtocol = errors.New("protocol error")
 func (t *Tier) handleRole(s *session, m wire.Msg) error {
 	switch m := m.(type) {
 	case wire.Lookup:
-		s.prod.Lookup(m, time.Now())
+		s.prod.Lookup(m, t.env.Now())
 		return nil
 	case wire.LookupResp:
 		err := s.cons.LookupResp(m)
@@ -458,7 +458,7 @@ func (t *Tier) handleRole(s *session, m wire.Msg) error {
 		t.applyProd(s)
 		return err
 	case wire.TransferDone:
-		err := s.cons.TransferDone(m, time.Now())
+		err := s.cons.TransferDone(m, t.env.Now())
 		t.applyCons(s)
 		return err
 	case wire.AbortFetch:
@@ -497,7 +497,7 @@ func (t *Tier) kill(s *session, reason string) {
 	}
 	if s.ready {
 		t.st.peerDeaths++
-		t.live.remove(peerID{s.peer, s.peerInc})
+		t.live.remove(peerID{Node: s.peer, Inc: s.peerInc})
 		t.nready.Add(-1)
 	}
 	for _, cc := range append(slices.Clone(s.old), s.conn) { // closeConn edits s.old
@@ -517,7 +517,7 @@ func (t *Tier) kill(s *session, reason string) {
 	}
 	// Consumer side: the requests fail (their lookups now answer Miss),
 	// every load fails once the peer can no longer write (S6.8).
-	s.cons.Kill(s.peer != "" && s.ready, time.Now())
+	s.cons.Kill(s.peer != "" && s.ready, t.env.Now())
 	t.applyCons(s)
 	delete(t.consOf, s.cons) // what arrives for it later carries its session
 	// Producer side: every pin fails (writes in flight only report when

@@ -165,8 +165,8 @@ func (l *liveSet) incOf(node string) ([16]byte, bool) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	for p := range l.m {
-		if p.node == node {
-			return p.inc, true
+		if p.Node == node {
+			return p.Inc, true
 		}
 	}
 	return [16]byte{}, false
@@ -256,6 +256,9 @@ func New(cfg Config, node offload.Config, n Network, env offload.TierEnv) (*Tier
 			return nil, err
 		}
 	}
+	if env.Now == nil {
+		env.Now = time.Now
+	}
 	log := env.Logger
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
@@ -295,10 +298,10 @@ func New(cfg Config, node offload.Config, n Network, env offload.TierEnv) (*Tier
 		t.dp = NewTCPPlane(env.Arena, n, TCPPlaneConfig{Conns: cfg.DataConns, MaxIn: cfg.MaxDataConns,
 			IdleTimeout: time.Duration(cfg.DataIdleTimeout), Auth: t.authData, HandshakeTimeout: time.Duration(cfg.HandshakeTimeout), Nice: cfg.DataNice}, log)
 	}
-	t.hs = &handshaker{self: peerID{t.self.NodeID, t.self.Incarnation}, token: []byte(cfg.ClusterToken),
-		connect: wire.Connect{NodeID: t.self.NodeID, Incarnation: t.self.Incarnation, Version: wire.Version,
+	t.hs = &handshaker{Shaker: protocol.Shaker{Self: peerID{Node: t.self.NodeID, Inc: t.self.Incarnation}, Token: []byte(cfg.ClusterToken),
+		Connect: wire.Connect{NodeID: t.self.NodeID, Incarnation: t.self.Incarnation, Version: wire.Version,
 			BlockBytes: uint64(t.blockBytes), Fingerprint: node.Fingerprint(), HashSeed: node.HashSeed,
-			Addr: t.addr, DataPlane: t.dp.Name(), DataInfo: t.dp.LocalInfo()}}
+			Addr: t.addr, DataPlane: t.dp.Name(), DataInfo: t.dp.LocalInfo()}}}
 	t.wg.Go(t.acceptLoop)
 	for _, a := range cfg.Peers {
 		t.redial[a] = &backoff{delay: redialMin}
@@ -327,7 +330,7 @@ func (t *Tier) authData(c net.Conn, node string) error {
 	if !ok {
 		return ErrNoPeer
 	}
-	return t.hs.dialData(c, peerID{node, inc})
+	return t.hs.dialData(c, peerID{Node: node, Inc: inc})
 }
 
 // Addr is the address peers reach this node's P2P port at.
@@ -460,7 +463,7 @@ func (t *Tier) handshakeFailed(c net.Conn, err error) {
 	if errors.Is(err, os.ErrDeadlineExceeded) {
 		t.rejects.add(false, wire.CodeTimeout)
 	} else if errors.As(err, &re) {
-		t.rejects.add(re.byPeer, re.Code)
+		t.rejects.add(re.ByPeer, re.Code)
 	} else {
 		t.rejects.add(false, wire.CodeOther)
 	}
@@ -505,7 +508,7 @@ func (t *Tier) scheduleRedial(addr string) {
 	if r == nil || t.closed {
 		return
 	}
-	r.at = time.Now().Add(r.delay)
+	r.at = t.env.Now().Add(r.delay)
 	r.delay = min(2*r.delay, redialMax)
 	t.env.Wake()
 }
@@ -616,7 +619,7 @@ func (t *Tier) Serve(p offload.Parent) error {
 			e.apply(t)
 		}
 	}
-	now := time.Now()
+	now := t.env.Now()
 	next := time.Time{}
 	soonest := func(d time.Time) {
 		if !d.IsZero() && (next.IsZero() || d.Before(next)) {
@@ -656,7 +659,7 @@ func (t *Tier) arm(d time.Time) {
 // OnScheduleEnd implements offload.StepEnder: each consumer request's new
 // keys go to its peer in one lookup per step.
 func (t *Tier) OnScheduleEnd() {
-	now := time.Now()
+	now := t.env.Now()
 	for s := range t.sessions {
 		if s.cons.Ask(now) {
 			t.armBy(s.live.LastReceived().Add(time.Duration(t.cfg.KeepaliveInterval))) // pings while it is outstanding (S6.9)
