@@ -7,9 +7,12 @@
 // imports no net), so a second wire dialect can drive the same machines
 // and a test can script them.
 //
-// So far the producer (Producer) and consumer (Consumer) sides of a
-// session and its keep-alive (Liveness); the rest of the session machine
-// (handshake, duplicates, retirement) is still methods of p2p.Tier.
+// The machines: each connection's handshake (Handshake, from a node's
+// Shaker), a session's keep-alive (Liveness), and its producer (Producer)
+// and consumer (Consumer) sides. What is left to the I/O layer in p2p is
+// connections: framing, which of two duplicate connections to one peer
+// survives (the tie-break on Shaken.DialNonce), their retirement, and the
+// data planes.
 package protocol
 
 import (
