@@ -11,6 +11,7 @@ import (
 	"net"
 	"net/http"
 	"net/url"
+	"strconv"
 	"strings"
 	"time"
 
@@ -117,5 +118,74 @@ func (c *Client) Wait(ctx context.Context, every time.Duration, done func(api.St
 			return ctx.Err()
 		case <-t.C:
 		}
+	}
+}
+
+// Events reads GET /v0/events from since (nil: only new events) and hands
+// each line to fn, until the stream ends (follow false: once the events
+// the node holds are read; follow true: when the node shuts down or ctx
+// ends), fn returns an error, or a line does not decode. A clean end
+// returns nil.
+func (c *Client) Events(ctx context.Context, since *uint64, follow bool, fn func(api.Event) error) error {
+	q := url.Values{"follow": {strconv.FormatBool(follow)}}
+	if since != nil {
+		q.Set("since", strconv.FormatUint(*since, 10))
+	}
+	req, err := http.NewRequestWithContext(ctx, "GET", c.base+"/v0/events?"+q.Encode(), nil)
+	if err != nil {
+		return err
+	}
+	resp, err := c.http.Do(req)
+	if err != nil {
+		return fmt.Errorf("cannot reach p2pd (is it running, and is the admin path right?): %w", err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		data, _ := io.ReadAll(io.LimitReader(resp.Body, 1<<16))
+		var e struct{ Error string }
+		if json.Unmarshal(data, &e) != nil || e.Error == "" {
+			e.Error = strings.TrimSpace(string(data))
+		}
+		return &APIError{Code: resp.StatusCode, Msg: e.Error}
+	}
+	dec := json.NewDecoder(resp.Body)
+	for {
+		var e api.Event
+		switch err := dec.Decode(&e); {
+		case err == io.EOF:
+			return nil
+		case err != nil && ctx.Err() != nil:
+			return nil // the caller stopped following
+		case err != nil:
+			return fmt.Errorf("reading /v0/events: %w", err)
+		}
+		if err := fn(e); err != nil {
+			return err
+		}
+	}
+}
+
+// AllBlocks pages through GET /v0/blocks for tier and returns every key
+// and the first page's Seq: following /v0/events after that Seq over
+// these keys gives what the tier holds.
+func (c *Client) AllBlocks(ctx context.Context, tier string) (keys []string, seq uint64, err error) {
+	cursor := ""
+	for first := true; ; first = false {
+		q := url.Values{"tier": {tier}, "limit": {"10000"}}
+		if cursor != "" {
+			q.Set("cursor", cursor)
+		}
+		var page api.Blocks
+		if err := c.Do(ctx, "GET", "/v0/blocks", q, nil, &page); err != nil {
+			return nil, 0, err
+		}
+		if first {
+			seq = page.Seq
+		}
+		keys = append(keys, page.Keys...)
+		if page.Next == "" {
+			return keys, seq, nil
+		}
+		cursor = page.Next
 	}
 }

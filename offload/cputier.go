@@ -200,10 +200,11 @@ func (c *CPUTier) release(k Key) {
 }
 
 // Commit ends writes owned by writer: with ok the keys become ready (a
-// stored event), otherwise their slots are freed. Keys not being written
+// stored event, described by chain when not nil), otherwise their slots
+// are freed. Keys not being written
 // by writer are left alone. It returns the keys it changed and the longest
 // time one of them was being written.
-func (c *CPUTier) Commit(keys []Key, writer Owner, ok bool) (done []Key, took time.Duration) {
+func (c *CPUTier) Commit(keys []Key, writer Owner, ok bool, chain *Chain) (done []Key, took time.Duration) {
 	now := c.now()
 	for _, k := range keys {
 		e, found := c.entries[k]
@@ -230,7 +231,7 @@ func (c *CPUTier) Commit(keys []Key, writer Owner, ok bool) (done []Key, took ti
 		}
 	}
 	if ok && len(done) > 0 {
-		c.report(EventStored, done)
+		c.reportStored(done, chain)
 	}
 	return done, took
 }
@@ -425,6 +426,41 @@ func (c *CPUTier) Audit(olderThan time.Duration) []PinInfo {
 func (c *CPUTier) report(kind EventKind, keys []Key) {
 	if c.emit != nil {
 		c.emit(Event{Kind: kind, Keys: keys})
+	}
+}
+
+// reportStored reports keys stored; with the request's chain, one event
+// per run of consecutive blocks, with their parent and token ids.
+func (c *CPUTier) reportStored(keys []Key, chain *Chain) {
+	if c.emit == nil {
+		return
+	}
+	if chain == nil {
+		c.report(EventStored, keys)
+		return
+	}
+	for len(keys) > 0 {
+		first, ok := chain.Index(keys[0])
+		if !ok {
+			n := 1
+			for n < len(keys) {
+				if _, in := chain.Index(keys[n]); in {
+					break
+				}
+				n++
+			}
+			c.report(EventStored, keys[:n])
+			keys = keys[n:]
+			continue
+		}
+		n := 1
+		for n < len(keys) && first+n < len(chain.Keys) && chain.Keys[first+n] == keys[n] {
+			n++
+		}
+		parent := chain.Parent(first)
+		bt := chain.BlockTokens
+		c.emit(Event{Kind: EventStored, Keys: keys[:n], Parent: &parent, Tokens: chain.Tokens[first*bt : (first+n)*bt]})
+		keys = keys[n:]
 	}
 }
 

@@ -48,7 +48,7 @@ func TestCPUTierStates(t *testing.T) {
 			if _, _, _, ok := c.Reserve(ks[2:3], writer); ok {
 				t.Error("evicted a writing slot")
 			}
-			c.Commit(ks[:2], writer, true)
+			c.Commit(ks[:2], writer, true, nil)
 			if c.Lookup(ks[0]) != Hit {
 				t.Errorf("committed key: %v, want hit", c.Lookup(ks[0]))
 			}
@@ -82,10 +82,10 @@ func TestCPUTierCommit(t *testing.T) {
 	c := newTestCPU(t, 2, "lru")
 	ks := testKeys(2)
 	c.Reserve(ks, writer)
-	if done, _ := c.Commit(ks, RequestOwner("other"), true); len(done) != 0 {
+	if done, _ := c.Commit(ks, RequestOwner("other"), true, nil); len(done) != 0 {
 		t.Errorf("another owner committed %v", done)
 	}
-	c.Commit(ks[:1], writer, false)
+	c.Commit(ks[:1], writer, false, nil)
 	if c.Lookup(ks[0]) != Miss || c.Lookup(ks[1]) != HitPending {
 		t.Errorf("after a failed write: %v %v, want miss, hit_pending", c.Lookup(ks[0]), c.Lookup(ks[1]))
 	}
@@ -99,7 +99,7 @@ func TestPinAudit(t *testing.T) {
 	c := newTestCPU(t, 4, "lru")
 	ks := testKeys(3)
 	c.Reserve(ks, writer)
-	c.Commit(ks, writer, true)
+	c.Commit(ks, writer, true, nil)
 	c.Pin(ks[:2], RequestOwner("a"), true)
 	c.Pin(ks[1:2], JobOwner(7), false)
 	all := c.Audit(0)
@@ -263,7 +263,7 @@ func TestCPUTierProperty(t *testing.T) {
 						}
 					}
 				case 1:
-					done, _ := c.Commit([]Key{k}, writer, rng.IntN(4) > 0)
+					done, _ := c.Commit([]Key{k}, writer, rng.IntN(4) > 0, nil)
 					if s := model[k]; len(done) == 1 {
 						if c.Lookup(k) == Hit {
 							s.writing = false

@@ -51,6 +51,12 @@ type Event struct {
 	// Keys are the blocks stored or removed; shared by every subscriber,
 	// so read-only.
 	Keys []Key `json:"keys,omitempty"`
+	// Parent and Tokens describe a store's blocks where the request gave
+	// them (Request.Chain): Keys are consecutive blocks of one prompt,
+	// Parent the key before the first, Tokens their token ids in order
+	// (len(Keys) blocks of equal size).
+	Parent *Key    `json:"parent,omitempty"`
+	Tokens []uint32 `json:"token_ids,omitempty"`
 	// Removed is Kind == EventRemoved.
 	Removed bool `json:"-"`
 	// Epoch is the new cache epoch of an EventCleared.
@@ -124,9 +130,18 @@ func (m *Manager) emit(e Event) {
 	e.Seq = h.seq
 	e.Removed = e.Kind == EventRemoved
 	e.Keys = slices.Clone(e.Keys) // the tier may reuse its slice
+	e.Tokens = slices.Clone(e.Tokens)
 	for _, s := range h.subs {
 		s.push(e)
 	}
+}
+
+// eventSeq is the number of the last event numbered.
+func (m *Manager) eventSeq() uint64 {
+	h := &m.events
+	h.Lock()
+	defer h.Unlock()
+	return h.seq
 }
 
 // emitter returns the emit function of the tier named tier.

@@ -22,6 +22,34 @@ type Key [KeySize]byte
 // String returns the first 8 bytes of the key in hex, enough for logs.
 func (k Key) String() string { return hex.EncodeToString(k[:8]) }
 
+// MarshalText writes the whole key in lowercase hex (64 digits): keys in
+// JSON (events, /v0/blocks) are strings.
+func (k Key) MarshalText() ([]byte, error) {
+	return hex.AppendEncode(make([]byte, 0, 2*KeySize), k[:]), nil
+}
+
+// UnmarshalText reads a key written by MarshalText.
+func (k *Key) UnmarshalText(b []byte) error {
+	p, err := ParseKey(string(b))
+	if err != nil {
+		return err
+	}
+	*k = p
+	return nil
+}
+
+// ParseKey reads a key from 64 hex digits.
+func ParseKey(s string) (Key, error) {
+	var k Key
+	if len(s) != 2*KeySize {
+		return k, fmt.Errorf("offload: a key is %d hex digits, not %d", 2*KeySize, len(s))
+	}
+	if _, err := hex.Decode(k[:], []byte(s)); err != nil {
+		return k, fmt.Errorf("offload: key %q: %v", s, err)
+	}
+	return k, nil
+}
+
 // RootKey is the parent of the first block of every sequence under seed.
 func RootKey(seed string) Key {
 	h := sha256.New()
@@ -66,6 +94,45 @@ func BlockKeys(seed string, blockTokens int, tokens []uint32) []Key {
 		tokens = tokens[blockTokens:]
 	}
 	return keys
+}
+
+// Chain is a prompt's blocks: their keys, each block's parent and token
+// ids. An engine that sets Request.Chain lets the CPU tier's stored events
+// carry the parent key and token ids (S2.8), for routers that index
+// blocks by tokens.
+type Chain struct {
+	Root        Key // the parent of Keys[0]
+	Keys        []Key
+	Tokens      []uint32 // at least len(Keys) × BlockTokens
+	BlockTokens int
+	index       map[Key]int
+}
+
+// NewChain returns the chain of tokens' full blocks (BlockKeys).
+func NewChain(seed string, blockTokens int, tokens []uint32) *Chain {
+	keys := BlockKeys(seed, blockTokens, tokens)
+	c := &Chain{Root: RootKey(seed), Keys: keys, Tokens: tokens[:len(keys)*blockTokens], BlockTokens: blockTokens,
+		index: make(map[Key]int, len(keys))}
+	for i, k := range keys {
+		if _, dup := c.index[k]; !dup {
+			c.index[k] = i
+		}
+	}
+	return c
+}
+
+// Index is k's position in the chain.
+func (c *Chain) Index(k Key) (int, bool) {
+	i, ok := c.index[k]
+	return i, ok
+}
+
+// Parent is the key before block i.
+func (c *Chain) Parent(i int) Key {
+	if i == 0 {
+		return c.Root
+	}
+	return c.Keys[i-1]
 }
 
 // Fingerprint summarises everything two nodes must agree on before they

@@ -116,7 +116,7 @@ func (s *Step) CompleteStore(keys []Key, req *Request, ok bool) error {
 		return err
 	}
 	m := s.m
-	done, took := m.mu.cpu.Commit(keys, RequestOwner(req.ID), ok)
+	done, took := m.mu.cpu.Commit(keys, RequestOwner(req.ID), ok, req.Chain)
 	if ok {
 		m.mu.counters.xfer[0][dirWrite].add(len(done)*m.blockBytes, took)
 	}

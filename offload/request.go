@@ -117,7 +117,7 @@ func (s *Step) Abort(req *Request) {
 		if j.Req != req {
 			return false
 		}
-		m.mu.cpu.Commit(j.Keys, JobOwner(j.ID), false)
+		m.mu.cpu.Commit(j.Keys, JobOwner(j.ID), false, nil)
 		return true
 	})
 	st := m.mu.reqs[req.ID]

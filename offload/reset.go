@@ -70,7 +70,7 @@ func (m *Manager) ResetCache(ctx context.Context) error {
 		return ErrClosed
 	}
 	for _, j := range m.mu.pending {
-		m.mu.cpu.Commit(j.Keys, JobOwner(j.ID), false)
+		m.mu.cpu.Commit(j.Keys, JobOwner(j.ID), false, nil)
 	}
 	m.mu.pending = nil
 	m.mu.cpu.Reset()

@@ -161,8 +161,12 @@ func (m *Manager) applyResultLocked(tier int, r JobResult) {
 		good = nil // from before a cache reset: never readable
 	}
 	bad := slices.DeleteFunc(slices.Clone(j.Keys), func(k Key) bool { return slices.Contains(good, k) })
-	m.mu.cpu.Commit(good, owner, true)
-	m.mu.cpu.Commit(bad, owner, false)
+	var chain *Chain
+	if j.Req != nil {
+		chain = j.Req.Chain
+	}
+	m.mu.cpu.Commit(good, owner, true, chain)
+	m.mu.cpu.Commit(bad, owner, false, nil)
 	if len(good) > 0 {
 		c.xfer[tier+1][dirRead].add(len(good)*m.blockBytes, took)
 	}

@@ -154,6 +154,9 @@ type Request struct {
 	// a tier is asked when any matcher matches it (an empty list asks
 	// none). It never limits the CPU tier or stores.
 	LoadTiers []TierMatcher
+	// Chain, when set, describes the request's prompt blocks: the CPU
+	// tier's stored events then carry their parent key and token ids.
+	Chain *Chain
 
 	tierState map[int]any
 	st        *reqState // the manager's state while registered

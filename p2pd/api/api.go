@@ -129,3 +129,48 @@ type Reset struct {
 type Error struct {
 	Error string `json:"error"`
 }
+
+// Event is one line of GET /v0/events (newline-delimited JSON, S2.8):
+// blocks a tier stored or removed, a cache reset ("cleared", with the new
+// epoch), or a gap ("lost": Lost events after the reader's last were no
+// longer held, Seq the last of them; resynchronise from /v0/blocks). Keys
+// are 64 lowercase hex digits. A store of a request's prompt blocks
+// carries the parent of its first key and the blocks' token ids.
+type Event struct {
+	Seq      uint64   `json:"seq"`
+	Kind     string   `json:"kind"` // stored, removed, cleared, lost
+	Tier     string   `json:"tier,omitempty"`
+	Keys     []string `json:"keys,omitempty"`
+	Parent   string   `json:"parent,omitempty"`
+	TokenIDs []uint32 `json:"token_ids,omitempty"`
+	Epoch    uint64   `json:"epoch,omitempty"`
+	Lost     uint64   `json:"lost,omitempty"`
+}
+
+// Blocks answers GET /v0/blocks: one page of the blocks a tier holds, in
+// key order. Seq is the last event numbered before the page was read: a
+// reader that lists every page and then follows /v0/events?since=Seq of
+// the first page holds what the tier holds. Next is the cursor of the
+// next page, empty on the last.
+type Blocks struct {
+	Tier string   `json:"tier"`
+	Seq  uint64   `json:"seq"`
+	Keys []string `json:"keys"`
+	Next string   `json:"next,omitempty"`
+}
+
+// Pins answers GET /v0/pins: the CPU tier's pins held at least
+// older_than, oldest first (S1.3).
+type Pins struct {
+	Pins []Pin `json:"pins"`
+}
+
+// Pin is one pin: its block, slot, owner (a request id, or "job N" for a
+// transfer) and age.
+type Pin struct {
+	Key      string  `json:"key"`
+	Slot     int     `json:"slot"`
+	Owner    string  `json:"owner"`
+	AgeMS    float64 `json:"age_ms"`
+	Detached bool    `json:"detached,omitempty"`
+}

@@ -134,6 +134,7 @@ type job struct {
 	r       Request
 	reply   chan jobReply
 	keys    []offload.Key
+	chain   *offload.Chain // the prompt's blocks (keys is chain.Keys), for stored events
 	req     *offload.Request
 	gpu     []int32
 	start   time.Time

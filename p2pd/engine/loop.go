@@ -131,7 +131,8 @@ func (e *Engine) handle(msg any) {
 			return
 		}
 		c.start = time.Now()
-		c.keys = offload.BlockKeys(e.seed, e.geo.BlockTokens, c.r.Tokens)
+		c.chain = offload.NewChain(e.seed, e.geo.BlockTokens, c.r.Tokens)
+		c.keys = c.chain.Keys
 		if len(c.keys) > e.total {
 			c.reply <- jobReply{err: fmt.Errorf("%w: %d blocks, the cache has %d", ErrTooLarge, len(c.keys), e.total)}
 			return
@@ -313,7 +314,7 @@ func (e *Engine) step() {
 		n := len(j.keys)
 		j.gpu = append([]int32(nil), e.free[len(e.free)-n:]...)
 		e.free = e.free[:len(e.free)-n]
-		j.req = &offload.Request{ID: j.r.ID, TransferParams: j.r.TransferParams}
+		j.req = &offload.Request{ID: j.r.ID, TransferParams: j.r.TransferParams, Chain: j.chain}
 		admitted = append(admitted, j)
 	}
 	lookups := len(admitted) > 0
@@ -523,7 +524,7 @@ func (e *Engine) answer(j *job) {
 	res := api.Result{RequestID: j.r.ID, Blocks: len(j.keys), Sources: j.src, ElapsedMS: float64(elapsed.Microseconds()) / 1000}
 	e.m.Do(func(s *offload.Step) { s.OnRequestFinished(j.req) })
 	reply, kind := j.reply, j.r.Digest
-	j.reply, j.req = nil, nil
+	j.reply, j.req, j.chain = nil, nil, nil
 	if kind == DigestNone {
 		reply <- jobReply{res: res}
 		return

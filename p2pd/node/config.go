@@ -40,14 +40,17 @@ type Config struct {
 	// ClusterTokenFile holds the cluster token (not the token itself, so
 	// it stays out of process listings and config files).
 	ClusterTokenFile string `json:"cluster_token_file"`
-	LogFormat        string `json:"log_format"`
-	LogLevel         string `json:"log_level"`
+	// EventHistory is how many of the newest events GET /v0/events keeps
+	// for readers that resume (since=) or fall behind.
+	EventHistory int    `json:"event_history"`
+	LogFormat    string `json:"log_format"`
+	LogLevel     string `json:"log_level"`
 }
 
 // DefaultConfig returns the defaults.
 func DefaultConfig() Config {
 	c := Config{Offload: offload.DefaultConfig(), P2P: p2p.DefaultConfig(), Admin: "./p2pd.sock", GPUBlocks: 1024,
-		CopyBackend: "auto", ShutdownGrace: offload.Duration(30 * time.Second), LogFormat: "text", LogLevel: "info"}
+		CopyBackend: "auto", ShutdownGrace: offload.Duration(30 * time.Second), EventHistory: 8192, LogFormat: "text", LogLevel: "info"}
 	return c
 }
 
@@ -78,6 +81,8 @@ func (c *Config) Validate() error {
 		return fmt.Errorf("%w: cpu_slots: %d is negative", offload.ErrConfig, c.CPUSlots)
 	case c.CopyBackend != "auto" && c.CopyBackend != "cuda" && c.CopyBackend != "host":
 		return fmt.Errorf("%w: copy_backend: %q (want auto, cuda or host)", offload.ErrConfig, c.CopyBackend)
+	case c.EventHistory < 1 || c.EventHistory > 1<<20:
+		return fmt.Errorf("%w: event_history: %d is not in [1, 1048576]", offload.ErrConfig, c.EventHistory)
 	case c.ShutdownGrace < 0:
 		return fmt.Errorf("%w: shutdown_grace: negative", offload.ErrConfig)
 	case c.LogFormat != "text" && c.LogFormat != "json":

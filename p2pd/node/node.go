@@ -26,17 +26,21 @@ import (
 
 // Node is a running p2pd.
 type Node struct {
-	cfg  Config
-	log  *slog.Logger
-	M    *offload.Manager
-	P2P  *p2p.Tier
-	Eng  *engine.Engine
-	lns  []net.Listener
-	adm  *adminSocket
-	lim  limits // of POST /v0/requests; zero means defaultLimits
-	srv  *http.Server
-	stop chan time.Duration // shutdown requested through the API, with its grace
-	once sync.Once
+	cfg Config
+	log *slog.Logger
+	M   *offload.Manager
+	P2P *p2p.Tier
+	Eng *engine.Engine
+	lns []net.Listener
+	adm *adminSocket
+	lim limits // of POST /v0/requests; zero means defaultLimits
+	srv *http.Server
+	// evlog keeps the newest events for GET /v0/events; quit is closed
+	// when the admin server starts shutting down, which ends its streams.
+	evlog *eventLog
+	quit  chan struct{}
+	stop  chan time.Duration // shutdown requested through the API, with its grace
+	once  sync.Once
 }
 
 // Start builds and starts a node: manager, tiers (disk first when
@@ -52,7 +56,7 @@ func Start(cfg Config, log *slog.Logger) (*Node, error) {
 		}
 		cfg.ClusterToken = tok
 	}
-	n := &Node{cfg: cfg, log: log, stop: make(chan time.Duration, 1)}
+	n := &Node{cfg: cfg, log: log, stop: make(chan time.Duration, 1), quit: make(chan struct{})}
 	oc := cfg.OffloadConfig()
 	oc.Logger = log
 	var specs []offload.TierSpec
@@ -66,9 +70,11 @@ func Start(cfg Config, log *slog.Logger) (*Node, error) {
 		return nil, err
 	}
 	n.M, n.P2P = m, m.Tier(ps.Name).(*p2p.Tier)
+	n.evlog = newEventLog(m, cfg.EventHistory)
 	n.Eng, err = engine.New(m, engine.Config{GPUBlocks: cfg.GPUBlocks, Backend: cfg.CopyBackend, Logger: log})
 	if err != nil {
 		m.Close()
+		n.evlog.close()
 		return nil, err
 	}
 	go n.Eng.Run(context.Background()) // stopped by Shutdown
@@ -76,6 +82,7 @@ func Start(cfg Config, log *slog.Logger) (*Node, error) {
 		n.Eng.Shutdown(canceled())
 		n.Eng.Close()
 		m.Close()
+		n.evlog.close()
 		return nil, err
 	}
 	if cfg.ClusterToken == "" && cfg.TLSCert == "" {
@@ -132,6 +139,7 @@ func (n *Node) listen() error {
 		n.lns = append(n.lns, tl)
 	}
 	n.srv = &http.Server{Handler: n.mux(), ReadHeaderTimeout: 10 * time.Second}
+	n.srv.RegisterOnShutdown(func() { close(n.quit) }) // ends the event streams, which Shutdown waits for
 	for _, l := range n.lns {
 		go n.srv.Serve(l)
 	}
@@ -178,6 +186,7 @@ func (n *Node) Shutdown(ctx context.Context) error {
 		errs = append(errs, n.srv.Shutdown(ctx))
 		cancel()
 		errs = append(errs, n.M.Close())
+		n.evlog.close()
 		n.adm.close()
 		err = errors.Join(errs...)
 	})
@@ -196,6 +205,9 @@ func (n *Node) mux() *http.ServeMux {
 	mux.HandleFunc("GET /v0/health", n.health)
 	mux.HandleFunc("POST /v0/requests", n.request)
 	mux.HandleFunc("GET /metrics", n.metrics)
+	mux.HandleFunc("GET /v0/events", n.events)
+	mux.HandleFunc("GET /v0/blocks", n.blocks)
+	mux.HandleFunc("GET /v0/pins", n.pins)
 	mux.Handle("GET /debug/vars", expvar.Handler())
 	return mux
 }

@@ -1,5 +1,6 @@
 // Command kvctl drives a p2pd node through its admin API: status, pause,
-// resume, shutdown, reset-cache, scrub, submit, metrics, peers.
+// resume, shutdown, reset-cache, scrub, submit, metrics, peers, events,
+// blocks, pins.
 //
 // Exit status: 0 on success, 1 when the operation failed, 2 on a usage
 // error.
@@ -17,8 +18,10 @@ import (
 	"net"
 	"net/url"
 	"os"
+	"os/signal"
 	"strconv"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/kvtier/kvtier/ctl"
@@ -39,6 +42,9 @@ commands:
          [--digest sha256|crc32c|none] [--json]
   metrics                                  Prometheus text
   peers [--json]
+  events [--since N] [--follow] [--json]   what the tiers stored and removed (S2.8)
+  blocks [--tier cpu|disk] [--json]        every block a tier holds, and the event it is current to
+  pins [--older-than 30s] [--json]         the CPU tier's pins, oldest first (S1.3)
 `
 
 // authText says what status's p2p_auth means.
@@ -264,8 +270,90 @@ func run(args []string, out, errw io.Writer) error {
 			fmt.Fprintf(out, "%-20s %-22s ready=%v dialed=%v requests=%d rounds=%d\n", p.Node, p.Addr, p.Ready, p.Dialed, p.Requests, p.Rounds)
 		}
 		return nil
+	case "events":
+		follow := fs.Bool("follow", false, "keep following until the node shuts down (Ctrl-C ends it)")
+		since := fs.String("since", "0", "print the events after this sequence number (0: every event the node still holds)")
+		if err := fs.Parse(rest); err != nil {
+			return usageError{err.Error()}
+		}
+		s, err := strconv.ParseUint(*since, 10, 64)
+		if err != nil {
+			return usageError{fmt.Sprintf("--since %q: not a sequence number", *since)}
+		}
+		if *follow {
+			var stop context.CancelFunc
+			ctx, stop = signalContext(ctx)
+			defer stop()
+		}
+		enc := json.NewEncoder(out)
+		return explain(c.Events(ctx, &s, *follow, func(e api.Event) error {
+			if *asJSON {
+				return enc.Encode(e)
+			}
+			_, err := fmt.Fprintln(out, eventText(e))
+			return err
+		}))
+	case "blocks":
+		tier := fs.String("tier", "cpu", "the tier: cpu or disk")
+		if err := fs.Parse(rest); err != nil {
+			return usageError{err.Error()}
+		}
+		keys, seq, err := c.AllBlocks(ctx, *tier)
+		if err != nil {
+			return explain(err)
+		}
+		if *asJSON {
+			return printJSON(out, api.Blocks{Tier: *tier, Seq: seq, Keys: keys})
+		}
+		fmt.Fprintf(out, "%s: %d blocks (as of event %d)\n", *tier, len(keys), seq)
+		for _, k := range keys {
+			fmt.Fprintln(out, k)
+		}
+		return nil
+	case "pins":
+		older := fs.Duration("older-than", 0, "only pins held at least this long")
+		if err := fs.Parse(rest); err != nil {
+			return usageError{err.Error()}
+		}
+		var res api.Pins
+		if err := c.Do(ctx, "GET", "/v0/pins", url.Values{"older_than": {older.String()}}, nil, &res); err != nil {
+			return explain(err)
+		}
+		if *asJSON {
+			return printJSON(out, res)
+		}
+		if len(res.Pins) == 0 {
+			fmt.Fprintf(out, "no pins older than %v\n", *older)
+		}
+		for _, p := range res.Pins {
+			d := ""
+			if p.Detached {
+				d = " (detached by a reset)"
+			}
+			fmt.Fprintf(out, "%s slot %-6d %-24s %8.1f s%s\n", p.Key[:16], p.Slot, p.Owner, p.AgeMS/1000, d)
+		}
+		return nil
 	}
 	return usageError{fmt.Sprintf("unknown command %q", cmd)}
+}
+
+// eventText is one event as a line for people.
+func eventText(e api.Event) string {
+	switch e.Kind {
+	case "cleared":
+		return fmt.Sprintf("%8d cleared  %s (epoch %d)", e.Seq, e.Tier, e.Epoch)
+	case "lost":
+		return fmt.Sprintf("%8d lost     %d events (resynchronise with kvctl blocks)", e.Seq, e.Lost)
+	}
+	first := ""
+	if len(e.Keys) > 0 {
+		first = e.Keys[0][:16]
+	}
+	tokens := ""
+	if len(e.TokenIDs) > 0 {
+		tokens = fmt.Sprintf(", %d token ids", len(e.TokenIDs))
+	}
+	return fmt.Sprintf("%8d %-8s %-5s %d blocks from %s%s", e.Seq, e.Kind, e.Tier, len(e.Keys), first, tokens)
 }
 
 func printJSON(w io.Writer, v any) error {
@@ -350,4 +438,9 @@ func healthText(h api.Health) string {
 		return fmt.Sprintf("accepting (%d accept errors since start)", h.AcceptErrors)
 	}
 	return "accepting"
+}
+
+// signalContext ends with Ctrl-C or SIGTERM: following events ends cleanly.
+func signalContext(ctx context.Context) (context.Context, context.CancelFunc) {
+	return signal.NotifyContext(ctx, os.Interrupt, syscall.SIGTERM)
 }

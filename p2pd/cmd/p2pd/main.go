@@ -135,6 +135,7 @@ func flags(d node.Config) (*flag.FlagSet, func(cfg *node.Config, set map[string]
 		dataPlane  = fs.String("data-plane", d.DataPlane, "P2P data plane: tcp, or nixl in a binary built with -tags nixl")
 		dataConns  = fs.Int("data-conns", d.DataConns, "TCP data connections per peer")
 		dataNice   = fs.Int("data-nice", d.DataNice, "nice value (0-19) of the threads moving block bytes")
+		evHistory  = fs.Int("event-history", d.EventHistory, "events kept for /v0/events readers that resume or fall behind")
 		grace      = fs.Duration("shutdown-grace", time.Duration(d.ShutdownGrace), "grace for running requests on shutdown")
 		copies     = fs.String("copy-backend", d.CopyBackend, "GPU copies: auto, cuda or host")
 		logFormat  = fs.String("log-format", d.LogFormat, "text or json")
@@ -170,6 +171,7 @@ func flags(d node.Config) (*flag.FlagSet, func(cfg *node.Config, set map[string]
 		}
 		apply("cpu-slots", func() { cfg.CPUSlots = *cpuSlots })
 		apply("gpu-blocks", func() { cfg.GPUBlocks = *gpuBlocks })
+		apply("event-history", func() { cfg.EventHistory = *evHistory })
 		apply("disk-dir", func() { cfg.DiskDir = *diskDir })
 		apply("disk-bytes", func() { cfg.DiskBytes = *diskBytes })
 		apply("tier-poll-interval", func() { cfg.TierPollInterval = offload.Duration(*pollEvery) })
