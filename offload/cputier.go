@@ -397,6 +397,24 @@ func (c *CPUTier) Touch(keys []Key) {
 	}
 }
 
+// oldestPin is the age at now of the oldest pin, zero without one.
+func (c *CPUTier) oldestPin(now time.Time) time.Duration {
+	var oldest time.Duration
+	for _, e := range c.entries {
+		for _, p := range e.pins {
+			oldest = max(oldest, now.Sub(p.since))
+		}
+	}
+	for _, list := range c.detached {
+		for _, d := range list {
+			for _, p := range d.pins {
+				oldest = max(oldest, now.Sub(p.since))
+			}
+		}
+	}
+	return oldest
+}
+
 // Audit lists the pins held longer than olderThan, oldest first (S1.3).
 func (c *CPUTier) Audit(olderThan time.Duration) []PinInfo {
 	now := c.now()

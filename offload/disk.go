@@ -536,17 +536,17 @@ func (d *Disk) Stats() []Stat {
 	defer d.mu.Unlock()
 	s := d.mu.st
 	return []Stat{
-		{"kv_offload_disk_blocks", "gauge", "Blocks stored in the disk tier.", float64(len(d.mu.index)), nil},
-		{"kv_offload_disk_used_bytes", "gauge", "Bytes of block files in the disk tier.", float64(d.mu.used), nil},
-		{"kv_offload_disk_capacity_bytes", "gauge", "The disk tier's cap in force.", float64(d.capacity), nil},
-		{"kv_offload_disk_queue_depth", "gauge", "Block reads and writes waiting for a disk worker.", float64(len(d.mu.queue)), nil},
-		{"kv_offload_disk_read_bytes_total", "counter", "Block bytes read from disk and verified.", float64(s.readBytes), nil},
-		{"kv_offload_disk_read_seconds_total", "counter", "Time disk workers spent reading blocks.", s.readSeconds, nil},
-		{"kv_offload_disk_write_bytes_total", "counter", "Block bytes written to disk.", float64(s.writeBytes), nil},
-		{"kv_offload_disk_write_seconds_total", "counter", "Time disk workers spent writing blocks.", s.writeSeconds, nil},
-		{"kv_offload_disk_evictions_total", "counter", "Blocks evicted from the disk tier to fit its cap.", float64(s.evictions), nil},
-		{"kv_offload_disk_corruptions_total", "counter", "Block files found corrupt, truncated or missing on read, and removed.", float64(s.corruptions), nil},
-		{"kv_offload_disk_dropped_stores_total", "counter", "Block writes dropped because the disk failed (full, unwritable).", float64(s.droppedStores), nil},
+		{"kv_offload_disk_blocks", "gauge", "Blocks stored in the disk tier.", float64(len(d.mu.index)), nil, nil},
+		{"kv_offload_disk_used_bytes", "gauge", "Bytes of block files in the disk tier.", float64(d.mu.used), nil, nil},
+		{"kv_offload_disk_capacity_bytes", "gauge", "The disk tier's cap in force.", float64(d.capacity), nil, nil},
+		{"kv_offload_disk_queue_depth", "gauge", "Block reads and writes waiting for a disk worker.", float64(len(d.mu.queue)), nil, nil},
+		{"kv_offload_disk_read_bytes_total", "counter", "Block bytes read from disk and verified.", float64(s.readBytes), nil, nil},
+		{"kv_offload_disk_read_seconds_total", "counter", "Time disk workers spent reading blocks.", s.readSeconds, nil, nil},
+		{"kv_offload_disk_write_bytes_total", "counter", "Block bytes written to disk.", float64(s.writeBytes), nil, nil},
+		{"kv_offload_disk_write_seconds_total", "counter", "Time disk workers spent writing blocks.", s.writeSeconds, nil, nil},
+		{"kv_offload_disk_evictions_total", "counter", "Blocks evicted from the disk tier to fit its cap.", float64(s.evictions), nil, nil},
+		{"kv_offload_disk_corruptions_total", "counter", "Block files found corrupt, truncated or missing on read, and removed.", float64(s.corruptions), nil, nil},
+		{"kv_offload_disk_dropped_stores_total", "counter", "Block writes dropped because the disk failed (full, unwritable).", float64(s.droppedStores), nil, nil},
 	}
 }
 

@@ -55,7 +55,7 @@ type Event struct {
 	// them (Request.Chain): Keys are consecutive blocks of one prompt,
 	// Parent the key before the first, Tokens their token ids in order
 	// (len(Keys) blocks of equal size).
-	Parent *Key    `json:"parent,omitempty"`
+	Parent *Key     `json:"parent,omitempty"`
 	Tokens []uint32 `json:"token_ids,omitempty"`
 	// Removed is Kind == EventRemoved.
 	Removed bool `json:"-"`

@@ -88,14 +88,18 @@ type Metrics struct {
 	PollBackoffs uint64 `json:"poll_backoffs"`
 	// Resets counts completed cache resets.
 	Resets uint64 `json:"resets"`
+	// BlockTokens is the tokens of one block, for lookups in tokens.
+	BlockTokens int `json:"block_tokens"`
 }
 
 // CPUMetrics describes the CPU tier and its arena.
 type CPUMetrics struct {
 	CPUStats
-	ArenaBytes         int64 `json:"arena_bytes"`
-	LockRequestedBytes int64 `json:"lock_requested_bytes"`
-	LockedBytes        int64 `json:"locked_bytes"`
+	// OldestPinAge is the age of the oldest pin (S1.3), zero without one.
+	OldestPinAge       time.Duration `json:"oldest_pin_age"`
+	ArenaBytes         int64         `json:"arena_bytes"`
+	LockRequestedBytes int64         `json:"lock_requested_bytes"`
+	LockedBytes        int64         `json:"locked_bytes"`
 }
 
 // TierMetrics describes one tier's traffic.
@@ -140,7 +144,9 @@ func (m *Manager) Metrics() Metrics {
 		PollErrors:             c.pollErrors,
 		PollBackoffs:           c.pollBackoffs,
 		Resets:                 c.resets,
+		BlockTokens:            m.cfg.Geometry.BlockTokens,
 	}
+	out.CPU.OldestPinAge = m.mu.cpu.oldestPin(m.nowLocked())
 	for i := range c.lookups {
 		t := TierMetrics{Name: "cpu", Lookups: make(map[string]uint64, 4)}
 		for r, n := range c.lookups[i] {
@@ -273,30 +279,22 @@ func (s Metrics) WritePrometheus(w io.Writer) error {
 			p.sample(float64(t.Backpressure.DroppedBlocks), "tier", t.Name)
 		}
 	}
-	type family struct {
-		typ, help string
-		samples   []float64
-		labels    [][]string
-	}
-	fams := map[string]*family{}
+	var tierStats []Stat
 	for _, t := range secondary {
 		for _, st := range t.Stats {
-			f := fams[st.Name]
-			if f == nil {
-				f = &family{typ: st.Type, help: st.Help}
-				fams[st.Name] = f
-			}
-			f.samples = append(f.samples, st.Value)
-			f.labels = append(f.labels, append([]string{"tier", t.Name}, st.Labels...))
+			st.Labels = append([]string{"tier", t.Name}, st.Labels...)
+			tierStats = append(tierStats, st)
 		}
 	}
-	for _, name := range slices.Sorted(maps.Keys(fams)) {
-		f := fams[name]
-		p.family(name, f.typ, f.help)
-		for i, v := range f.samples {
-			p.sample(v, f.labels[i]...)
+	p.stats(tierStats)
+	p.family("kv_offload_tiering_lookup_tokens_total", "counter", "Lookup answers by tier and result, in tokens (blocks × block tokens): the denominator of a token hit rate.")
+	for _, t := range s.Tiers {
+		for _, r := range resultNames {
+			p.sample(float64(t.Lookups[r]*uint64(s.BlockTokens)), "tier", t.Name, "result", r)
 		}
 	}
+	p.family("kv_offload_cpu_oldest_pin_age_seconds", "gauge", "Age of the CPU tier's oldest pin (0 with none): alert on a leak (S1.3).")
+	p.sample(s.CPU.OldestPinAge.Seconds())
 	c := s.CPU
 	for _, g := range []struct {
 		name, typ, help string
@@ -351,3 +349,30 @@ func (p *promWriter) sample(v float64, labels ...string) {
 }
 
 func (p *promWriter) flush() error { return p.w.Flush() }
+
+// stats writes stats grouped into families by name, in name order.
+func (p *promWriter) stats(stats []Stat) {
+	byName := map[string][]Stat{}
+	for _, st := range stats {
+		byName[st.Name] = append(byName[st.Name], st)
+	}
+	for _, name := range slices.Sorted(maps.Keys(byName)) {
+		f := byName[name]
+		p.family(name, f[0].Type, f[0].Help)
+		for _, st := range f {
+			if st.Hist != nil {
+				p.histogram(st.Hist, st.Labels...)
+			} else {
+				p.sample(st.Value, st.Labels...)
+			}
+		}
+	}
+}
+
+// WriteStats writes stats (metrics of the daemon around the manager) in
+// the Prometheus text format, grouped into families by name.
+func WriteStats(w io.Writer, stats []Stat) error {
+	p := promWriter{w: bufio.NewWriter(w)}
+	p.stats(stats)
+	return p.flush()
+}

@@ -73,13 +73,14 @@ type (
 type Stat struct {
 	// Name is the full metric name, e.g. "kv_offload_disk_corruptions_total".
 	Name string `json:"name"`
-	// Type is "counter" or "gauge".
+	// Type is "counter", "gauge" or "histogram" (Hist, not Value).
 	Type  string  `json:"type"`
 	Help  string  `json:"help"`
 	Value float64 `json:"value"`
 	// Labels are extra label name/value pairs beside the tier's; stats of
 	// one name with different labels are samples of one family.
-	Labels []string `json:"labels,omitempty"`
+	Labels []string   `json:"labels,omitempty"`
+	Hist   *Histogram `json:"histogram,omitempty"`
 }
 
 // Level says which blocks of a request a tier wants.

@@ -37,10 +37,11 @@ type Node struct {
 	srv *http.Server
 	// evlog keeps the newest events for GET /v0/events; quit is closed
 	// when the admin server starts shutting down, which ends its streams.
-	evlog *eventLog
-	quit  chan struct{}
-	stop  chan time.Duration // shutdown requested through the API, with its grace
-	once  sync.Once
+	evlog   *eventLog
+	quit    chan struct{}
+	stop    chan time.Duration // shutdown requested through the API, with its grace
+	sources sourceStats
+	once    sync.Once
 }
 
 // Start builds and starts a node: manager, tiers (disk first when
@@ -384,6 +385,45 @@ func (n *Node) shutdown(w http.ResponseWriter, r *http.Request) {
 func (n *Node) metrics(w http.ResponseWriter, r *http.Request) {
 	w.Header().Set("Content-Type", "text/plain; version=0.0.4")
 	n.M.Metrics().WritePrometheus(w)
+	offload.WriteStats(w, n.sources.stats())
+}
+
+// sourceStats is where requests' blocks came from (issue 14): per source,
+// a histogram of the fraction of each request's blocks it gave.
+type sourceStats struct {
+	mu    sync.Mutex
+	hists [4]*offload.Histogram // cpu, disk, peer, computed
+}
+
+var sourceNames = [4]string{"cpu", "disk", "peer", "computed"}
+
+func (s *sourceStats) observe(src api.Sources, blocks int) {
+	if blocks <= 0 {
+		return
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for i, c := range [4]int{src.CPU, src.Disk, src.Peer, src.Computed} {
+		if s.hists[i] == nil {
+			s.hists[i] = offload.NewHistogram(offload.FractionBounds...)
+		}
+		s.hists[i].Observe(float64(c) / float64(blocks))
+	}
+}
+
+func (s *sourceStats) stats() []offload.Stat {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var out []offload.Stat
+	for i, h := range s.hists {
+		if h == nil {
+			h = offload.NewHistogram(offload.FractionBounds...)
+		}
+		out = append(out, offload.Stat{Name: "kv_offload_request_source_fraction", Type: "histogram",
+			Help: "Per finished request, the fraction of its blocks each source gave (cpu, disk, peer, computed).",
+			Hist: h.Clone(), Labels: []string{"source", sourceNames[i]}})
+	}
+	return out
 }
 
 // requestBody is POST /v0/requests.
@@ -566,6 +606,7 @@ func (n *Node) request(w http.ResponseWriter, r *http.Request) {
 	res, err := n.Eng.Submit(r.Context(), engine.Request{ID: b.RequestID, Tokens: tokens, TransferParams: b.TransferParams.m, Digest: b.Digest})
 	switch {
 	case err == nil:
+		n.sources.observe(res.Sources, res.Blocks)
 		reply(w, 200, res)
 	case errors.Is(err, engine.ErrShuttingDown):
 		fail(w, 503, "%v", err)

@@ -741,6 +741,18 @@ func (t *Tier) Stats() []offload.Stat {
 			}
 		}
 	}
+	for s := range t.sessions {
+		if !s.ready || s.dead {
+			continue
+		}
+		ps, peer := &s.cons.Stats, []string{"peer", s.peer}
+		st = append(st,
+			offload.Stat{Name: "kv_offload_p2p_peer_lookups_sent_total", Type: "counter", Help: "Lookups sent to the peer (this session).", Value: float64(ps.LookupsSent), Labels: peer},
+			offload.Stat{Name: "kv_offload_p2p_peer_lookups_answered_total", Type: "counter", Help: "Lookups the peer answered (this session).", Value: float64(ps.LookupsAnswered), Labels: peer},
+			offload.Stat{Name: "kv_offload_p2p_peer_bytes_total", Type: "counter", Help: "Block bytes of rounds loaded from (in) and written to (out) the peer (this session).", Value: float64(ps.BytesIn), Labels: []string{"peer", s.peer, "direction", "in"}},
+			offload.Stat{Name: "kv_offload_p2p_peer_bytes_total", Type: "counter", Help: "Block bytes of rounds loaded from (in) and written to (out) the peer (this session).", Value: float64(s.prod.BytesOut), Labels: []string{"peer", s.peer, "direction", "out"}},
+			offload.Stat{Name: "kv_offload_p2p_peer_round_seconds", Type: "histogram", Help: "Rounds loaded from the peer, from the fetch to their end (this session).", Hist: ps.Rounds.Clone(), Labels: peer})
+	}
 	if dp, ok := t.dp.(interface{ counters() *dataStats }); ok {
 		tp := dp.counters()
 		st = append(st,

@@ -37,7 +37,8 @@ type Consumers struct {
 
 // New returns the consumer of one session.
 func (cs *Consumers) New() *Consumer {
-	return &Consumer{cs: cs, reqs: map[string]*Req{}, loads: map[uint64]*load{}, stopping: map[uint64]*load{}}
+	return &Consumer{cs: cs, reqs: map[string]*Req{}, loads: map[uint64]*load{}, stopping: map[uint64]*load{},
+		Stats: PeerStats{Rounds: offload.NewHistogram(offload.LatencyBounds...)}}
 }
 
 // probe is a key's state in a request's lookups.
@@ -94,6 +95,16 @@ type Consumer struct {
 	stopping map[uint64]*load // failed, waiting for the data plane to stop reading (Unexpected)
 	quar     []*load          // waiting for the peer's removal from the data plane (PeerRemoved)
 	removing bool             // a RemovePeer is outstanding: one at a time (a second would end at once)
+	// Stats are this session's own (issue 14: per-peer metrics; they end
+	// with the session).
+	Stats PeerStats
+}
+
+// PeerStats is what one consumer did with its peer.
+type PeerStats struct {
+	LookupsSent, LookupsAnswered uint64
+	BytesIn                      uint64             // block bytes of rounds loaded
+	Rounds                       *offload.Histogram // seconds from fetch to the round's end, ok or not
 }
 
 // The consumer's further actions.
@@ -221,6 +232,7 @@ func (c *Consumer) Ask(now time.Time) bool {
 			r.probes[k] = probePending
 		}
 		c.emit(SendFrame{wire.Lookup{ReqID: r.kvID, Round: r.round, Keys: keys}})
+		c.Stats.LookupsSent++
 		r.asked += len(r.unsent)
 		r.unsent = r.unsent[:0]
 		r.lookupOpen = true
@@ -249,6 +261,7 @@ func (c *Consumer) LookupResp(m wire.LookupResp) error {
 	if len(m.Hits) != len(m.Keys) {
 		return fmt.Errorf("%w: an answer of %d hits for %d keys", ErrMalformed, len(m.Hits), len(m.Keys))
 	}
+	c.Stats.LookupsAnswered++
 	r := c.reqs[m.ReqID]
 	if r == nil || r.round != m.Round {
 		return nil // late: the request finished or fetched already
@@ -576,8 +589,10 @@ func (c *Consumer) result(l *load, ok bool, now time.Time) {
 	}
 	l.reported = true
 	r := offload.JobResult{ID: l.job.ID, OK: ok, Duration: now.Sub(l.sent)}
+	c.Stats.Rounds.Observe(r.Duration.Seconds())
 	if ok {
 		r.Bytes = int64(len(l.job.Keys) * c.cs.Config.BlockBytes)
+		c.Stats.BytesIn += uint64(r.Bytes)
 		c.cs.Stats.RoundsOK++
 	} else {
 		c.cs.Stats.RoundsFailed++

@@ -76,6 +76,7 @@ type round struct {
 	demanded    bool
 	writing     bool
 	aborting    bool
+	blocks      int // blocks being written
 }
 
 type supply struct {
@@ -97,6 +98,9 @@ type Producer struct {
 	rounds  map[RoundID]*round
 	lookups []*lookup         // parked on keys still being written
 	pins    map[uint64]*round // lease job → its round
+	// BytesOut counts the block bytes of rounds written to this peer
+	// (issue 14: per-peer metrics; they end with the session).
+	BytesOut uint64
 }
 
 // Lookup is a lookup frame from the peer: it is served at the next Serve.
@@ -274,7 +278,7 @@ func (p *Producer) Fetch(m wire.Fetch) error {
 		}
 		pairs[i] = SlotPair{Local: uint32(sup.slot), Remote: m.Slots[i]}
 	}
-	r.writing = true
+	r.writing, r.blocks = true, len(pairs)
 	p.emit(StartWrite{Round: rid, Pairs: pairs})
 	return nil
 }
@@ -298,6 +302,7 @@ func (p *Producer) WriteDone(id RoundID, err error) {
 	}
 	if ok {
 		p.ps.Stats.RoundsOK++
+		p.BytesOut += uint64(r.blocks * p.ps.Config.BlockBytes)
 	} else {
 		p.ps.Stats.RoundsFailed++
 	}
