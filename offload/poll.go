@@ -183,9 +183,8 @@ func (m *Manager) pollLoop() {
 			// A deadline of the manager's own, or a tier's while backing
 			// off: expire, signal, serve no tier.
 			m.lock()
-			m.mu.now = now
 			if !m.mu.closed {
-				m.clockPassLocked(now, tierDue)
+				m.clockPassLocked(m.nowLocked(), tierDue) // the time under the lock: never before a hold that came first
 			}
 			m.unlock()
 			if !tick.IsZero() {
@@ -194,7 +193,7 @@ func (m *Manager) pollLoop() {
 			continue
 		}
 		tick = time.Time{}
-		again, err := m.pollPass(now, tierDue)
+		again, err := m.pollPass(tierDue)
 		if err != nil {
 			m.pollFailed(&fails, err)
 			tick = now.Add(max(m.pollInterval, minBackoff))
@@ -243,14 +242,17 @@ func (m *Manager) pollFailed(f *failureLog, err error) {
 // releases their results cause are applied here). It reports whether a
 // polled tier still has pending work, and any error from a tier, a panic
 // included (S2.11: every call into a tier is recovered by tierCall).
-func (m *Manager) pollPass(now time.Time, tierDue bool) (again bool, err error) {
+func (m *Manager) pollPass(tierDue bool) (again bool, err error) {
 	m.lock()
-	m.mu.now = now
 	defer m.unlock()
 	if m.mu.closed {
 		return false, nil
 	}
-	m.clockPassLocked(now, tierDue)
+	// The pass's time is read under the lock (nowLocked), not when the
+	// goroutine woke: a step that held the lock meanwhile stamped its jobs
+	// later than that, and a stamp must never be after the pass that
+	// measures it (found in review: negative transfer seconds).
+	m.clockPassLocked(m.nowLocked(), tierDue)
 	if !m.polling {
 		return false, nil
 	}
