@@ -1,0 +1,277 @@
+// Package route is a small KV-cache-aware router, the worked example of
+// issue 14: it follows the event streams of N p2pd nodes (GET /v0/events,
+// resynchronising from GET /v0/blocks at the start and after a lost
+// marker), keeps a prefix index (key → nodes holding it), and for a prompt
+// names the node with the longest cached prefix — the remote_kv_source to
+// put in a request's kv_transfer_params. It uses the standard library and
+// the admin API's client (ctl, p2pd/api) only, and hashes prompts itself
+// as S1.1 defines block keys, as a router in any language would.
+package route
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/binary"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"log/slog"
+	"maps"
+	"net"
+	"slices"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/kvtier/kvtier/ctl"
+	"github.com/kvtier/kvtier/p2pd/api"
+)
+
+// Keys returns the block keys of a prompt (S1.1): the root is SHA-256 of
+// "kvtier/root\x00" and the hash seed; each full block's key is SHA-256
+// of its parent's key and its token ids as little-endian uint32.
+func Keys(seed string, blockTokens int, tokens []uint32) []string {
+	root := sha256.Sum256(append([]byte("kvtier/root\x00"), seed...))
+	parent := root[:]
+	var keys []string
+	for len(tokens) >= blockTokens && blockTokens > 0 {
+		h := sha256.New()
+		h.Write(parent)
+		for _, t := range tokens[:blockTokens] {
+			h.Write(binary.LittleEndian.AppendUint32(nil, t))
+		}
+		parent = h.Sum(nil)
+		keys = append(keys, hex.EncodeToString(parent))
+		tokens = tokens[blockTokens:]
+	}
+	return keys
+}
+
+// Router follows nodes and answers routes. Its methods are safe for
+// concurrent use.
+type Router struct {
+	seed        string
+	blockTokens int
+	log         *slog.Logger
+
+	mu    sync.Mutex
+	nodes map[string]*nodeState
+	index map[string]map[string]int // key → node → how many of its tiers hold it
+}
+
+type nodeState struct {
+	p2p    string                         // host:port peers fetch from
+	tiers  map[string]map[string]struct{} // tier → keys
+	synced bool                           // the snapshot is in
+}
+
+// New returns a router for nodes sharing a hash seed and block size.
+func New(seed string, blockTokens int, log *slog.Logger) *Router {
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	return &Router{seed: seed, blockTokens: blockTokens, log: log, nodes: map[string]*nodeState{},
+		index: map[string]map[string]int{}}
+}
+
+// Choice is a route: the node with the longest cached prefix and its
+// length in blocks, or no node (Blocks 0).
+type Choice struct {
+	Node   string `json:"node,omitempty"`
+	P2P    string `json:"p2p,omitempty"`
+	Blocks int    `json:"blocks"`
+	Of     int    `json:"of"` // the prompt's full blocks
+}
+
+// RemoteSource is the kv_transfer_params.remote_kv_source naming the
+// chosen node, with kvID the id the producer knows the prefix by; nil
+// when no node holds any of it.
+func (c Choice) RemoteSource(kvID string) map[string]any {
+	if c.Blocks == 0 {
+		return nil
+	}
+	host, port, _ := net.SplitHostPort(c.P2P)
+	p, _ := strconv.Atoi(port)
+	return map[string]any{"kv_request_id": kvID, "remote_host": host, "remote_port": p}
+}
+
+// Route answers the node holding the longest prefix of tokens' blocks
+// (ties: the first by name), skipping except (the node the request goes
+// to, which needs no peer for what it holds).
+func (r *Router) Route(tokens []uint32, except string) Choice {
+	keys := Keys(r.seed, r.blockTokens, tokens)
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	best := Choice{Of: len(keys)}
+	for _, name := range slices.Sorted(maps.Keys(r.nodes)) {
+		if name == except || !r.nodes[name].synced {
+			continue
+		}
+		n := 0
+		for _, k := range keys {
+			if r.index[k][name] == 0 {
+				break
+			}
+			n++
+		}
+		if n > best.Blocks {
+			best = Choice{Node: name, P2P: r.nodes[name].p2p, Blocks: n, Of: len(keys)}
+		}
+	}
+	return best
+}
+
+// Holds reports how many of keys the node's index has, for tests.
+func (r *Router) Holds(node string, keys []string) int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	n := 0
+	for _, k := range keys {
+		if r.index[k][node] > 0 {
+			n++
+		}
+	}
+	return n
+}
+
+// Follow keeps the router's view of one node current until ctx ends: the
+// node's status (its P2P address), a snapshot of every tier it lists, then
+// its events; a lost marker, a dropped stream or a node that is not up
+// yet starts over after retry. It returns ctx's error.
+func (r *Router) Follow(ctx context.Context, name string, c *ctl.Client, retry time.Duration) error {
+	defer r.forget(name)
+	for {
+		err := r.followOnce(ctx, name, c)
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		r.log.Info("route: resynchronising", "node", name, "why", err)
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(retry):
+		}
+	}
+}
+
+var errLost = errors.New("events lost")
+
+func (r *Router) followOnce(ctx context.Context, name string, c *ctl.Client) error {
+	st, err := c.Status(ctx)
+	if err != nil {
+		return err
+	}
+	snap := map[string]map[string]struct{}{}
+	var since uint64
+	for i, tier := range []string{"cpu", "disk"} {
+		keys, seq, err := c.AllBlocks(ctx, tier)
+		var ae *ctl.APIError
+		if errors.As(err, &ae) && tier != "cpu" {
+			continue // the node has no such tier
+		} else if err != nil {
+			return err
+		}
+		if i == 0 {
+			since = seq // the events after the first page apply over every page
+		}
+		set := make(map[string]struct{}, len(keys))
+		for _, k := range keys {
+			set[k] = struct{}{}
+		}
+		snap[tier] = set
+	}
+	r.replace(name, st.P2P, snap)
+	return c.Events(ctx, &since, true, func(e api.Event) error {
+		if e.Kind == "lost" {
+			return fmt.Errorf("%w: %d after event %d", errLost, e.Lost, e.Seq-e.Lost)
+		}
+		r.apply(name, e)
+		return nil
+	})
+}
+
+// replace installs a node's snapshot.
+func (r *Router) replace(name, p2p string, snap map[string]map[string]struct{}) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.dropLocked(name)
+	n := &nodeState{p2p: p2p, tiers: map[string]map[string]struct{}{}, synced: true}
+	r.nodes[name] = n
+	for tier, keys := range snap {
+		for k := range keys {
+			r.addLocked(n, name, tier, k)
+		}
+	}
+}
+
+func (r *Router) forget(name string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.dropLocked(name)
+	delete(r.nodes, name)
+}
+
+func (r *Router) dropLocked(name string) {
+	n := r.nodes[name]
+	if n == nil {
+		return
+	}
+	for tier, keys := range n.tiers {
+		for k := range keys {
+			r.removeLocked(n, name, tier, k)
+		}
+	}
+}
+
+func (r *Router) addLocked(n *nodeState, name, tier, k string) {
+	t := n.tiers[tier]
+	if t == nil {
+		t = map[string]struct{}{}
+		n.tiers[tier] = t
+	}
+	if _, ok := t[k]; ok {
+		return
+	}
+	t[k] = struct{}{}
+	if r.index[k] == nil {
+		r.index[k] = map[string]int{}
+	}
+	r.index[k][name]++
+}
+
+func (r *Router) removeLocked(n *nodeState, name, tier, k string) {
+	if _, ok := n.tiers[tier][k]; !ok {
+		return
+	}
+	delete(n.tiers[tier], k)
+	if r.index[k][name]--; r.index[k][name] <= 0 {
+		delete(r.index[k], name)
+		if len(r.index[k]) == 0 {
+			delete(r.index, k)
+		}
+	}
+}
+
+// apply is one event of node name.
+func (r *Router) apply(name string, e api.Event) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	n := r.nodes[name]
+	if n == nil {
+		return
+	}
+	switch e.Kind {
+	case "stored":
+		for _, k := range e.Keys {
+			r.addLocked(n, name, e.Tier, k)
+		}
+	case "removed":
+		for _, k := range e.Keys {
+			r.removeLocked(n, name, e.Tier, k)
+		}
+	case "cleared":
+		for k := range n.tiers[e.Tier] {
+			r.removeLocked(n, name, e.Tier, k)
+		}
+	}
+}

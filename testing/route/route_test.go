@@ -1,0 +1,56 @@
+package route
+
+import (
+	"encoding/hex"
+	"slices"
+	"testing"
+
+	"github.com/kvtier/kvtier/offload"
+	"github.com/kvtier/kvtier/p2pd/api"
+)
+
+// The router hashes prompts itself (S1.1); its keys must be the nodes'.
+func TestKeysAreTheNodes(t *testing.T) {
+	tokens := make([]uint32, 100)
+	for i := range tokens {
+		tokens[i] = uint32(i * 7919)
+	}
+	var want []string
+	for _, k := range offload.BlockKeys("seed", 16, tokens) {
+		want = append(want, hex.EncodeToString(k[:]))
+	}
+	if got := Keys("seed", 16, tokens); !slices.Equal(got, want) || len(got) != 6 {
+		t.Errorf("Keys = %v\nwant  %v", got, want)
+	}
+}
+
+// The index follows stored, removed and cleared events per tier; a node
+// holding a block in two tiers keeps it until both dropped it; routes
+// name the longest prefix, skipping the node a request goes to.
+func TestIndex(t *testing.T) {
+	r := New("seed", 2, nil)
+	tokens := []uint32{1, 2, 3, 4, 5, 6}
+	k := Keys("seed", 2, tokens)
+	r.replace("a", "a:1", nil)
+	r.replace("b", "b:1", map[string]map[string]struct{}{"cpu": {k[0]: {}}})
+	r.apply("a", api.Event{Kind: "stored", Tier: "cpu", Keys: k})
+	r.apply("a", api.Event{Kind: "stored", Tier: "disk", Keys: k[:1]})
+	if c := r.Route(tokens, ""); c.Node != "a" || c.Blocks != 3 || c.Of != 3 || c.P2P != "a:1" {
+		t.Errorf("route %+v, want a with 3 of 3", c)
+	}
+	if c := r.Route(tokens, "a"); c.Node != "b" || c.Blocks != 1 {
+		t.Errorf("route except a: %+v, want b with 1", c)
+	}
+	r.apply("a", api.Event{Kind: "cleared", Tier: "cpu"})
+	if c := r.Route(tokens, ""); c.Node != "a" || c.Blocks != 1 {
+		t.Errorf("after a's CPU reset: %+v, want a with 1 (its disk copy), ties by name", c)
+	}
+	r.apply("a", api.Event{Kind: "removed", Tier: "disk", Keys: k[:1]})
+	if c := r.Route(tokens, ""); c.Node != "b" || c.Blocks != 1 {
+		t.Errorf("after a removed its last copy: %+v, want b", c)
+	}
+	r.forget("b")
+	if c := r.Route(tokens, ""); c.Blocks != 0 || c.RemoteSource("x") != nil || len(r.index) != 0 {
+		t.Errorf("with nothing held: %+v, index %d keys", c, len(r.index))
+	}
+}
