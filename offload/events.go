@@ -36,6 +36,16 @@ func (k EventKind) String() string {
 // MarshalText writes the kind's name ("stored", "removed", …).
 func (k EventKind) MarshalText() ([]byte, error) { return []byte(k.String()), nil }
 
+// UnmarshalText reads a kind's name.
+func (k *EventKind) UnmarshalText(b []byte) error {
+	i := slices.Index(eventKindNames[:], string(b))
+	if i < 0 {
+		return fmt.Errorf("offload: no event kind %q", b)
+	}
+	*k = EventKind(i)
+	return nil
+}
+
 // Event is one entry of the manager's event stream (S2.8): keys a tier
 // stored or removed, a cache reset, or a gap where a slow subscriber lost
 // events. Events reach a subscriber in Seq order.

@@ -1,10 +1,15 @@
 package offload
 
 import (
+	"bytes"
 	"context"
+	"encoding/hex"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"reflect"
+	"runtime"
+	"slices"
 	"strings"
 	"testing"
 	"testing/synctest"
@@ -217,4 +222,134 @@ func TestEventsNext(t *testing.T) {
 			t.Errorf("a subscription made after Close: %v, want ErrClosed", r.err)
 		}
 	})
+}
+
+// Issue 14: a store of a request that gave its prompt (Request.Chain)
+// reports each run of consecutive blocks with the parent of its first key
+// and their token ids; a block already held splits the run; JSON writes
+// keys as 64 lowercase hex digits.
+func TestEventsCarryChain(t *testing.T) {
+	m := testManager(t, 8)
+	sub := m.Subscribe(0)
+	defer sub.Close()
+	tokens := make([]uint32, 4*16+3)
+	for i := range tokens {
+		tokens[i] = uint32(1000 + i)
+	}
+	chain := NewChain(m.Config().HashSeed, 16, tokens)
+	if len(chain.Keys) != 4 || len(chain.Tokens) != 64 {
+		t.Fatalf("chain of %d keys, %d tokens; want 4 full blocks", len(chain.Keys), len(chain.Tokens))
+	}
+	storeOne(t, m, chain.Keys[1]) // held already: the request's store skips it
+	sub.Take()
+	req := &Request{ID: "r", Chain: chain}
+	m.Do(func(s *Step) {
+		s.OnNewRequest(req)
+		p, err := s.PrepareStore(chain.Keys, req)
+		if err != nil || p == nil || len(p.Keys) != 3 {
+			t.Fatalf("PrepareStore: %v %v", p, err)
+		}
+		s.CompleteStore(p.Keys, req, true)
+		s.OnRequestFinished(req)
+	})
+	ev := sub.Take()
+	if len(ev) != 2 {
+		t.Fatalf("events:%s\nwant two runs", eventsString(ev))
+	}
+	root, k := RootKey(m.Config().HashSeed), chain.Keys
+	if e := ev[0]; !reflect.DeepEqual(e.Keys, k[:1]) || *e.Parent != root || !reflect.DeepEqual(e.Tokens, tokens[:16]) {
+		t.Errorf("first run: keys %v parent %v tokens %v; want block 0 under the root", e.Keys, e.Parent, e.Tokens)
+	}
+	if e := ev[1]; !reflect.DeepEqual(e.Keys, k[2:4]) || *e.Parent != k[1] || !reflect.DeepEqual(e.Tokens, tokens[32:64]) {
+		t.Errorf("second run: keys %v parent %v tokens %d; want blocks 2, 3 under block 1", e.Keys, e.Parent, len(e.Tokens))
+	}
+	b, err := json.Marshal(ev[1])
+	if err != nil {
+		t.Fatal(err)
+	}
+	hexKey := hex.EncodeToString(k[2][:])
+	if !strings.Contains(string(b), `"keys":["`+hexKey+`"`) || !strings.Contains(string(b), `"parent":"`+hex.EncodeToString(k[1][:])+`"`) ||
+		!strings.Contains(string(b), `"kind":"stored"`) || !strings.Contains(string(b), `"token_ids":[1032,`) {
+		t.Errorf("JSON %s: want hex keys and parent, the kind's name and token ids", b)
+	}
+	var back Event
+	if err := json.Unmarshal(b, &back); err != nil || back.Keys[0] != k[2] || *back.Parent != k[1] {
+		t.Errorf("JSON does not read back: %v %+v", err, back)
+	}
+}
+
+// Issue 14, S2.8: a subscriber that never takes costs the manager its
+// buffer and no more: 20,000 events into a buffer of 64 leave the heap
+// where it was (measured), and one lost marker counts the rest.
+func TestEventsSlowSubscriberHeap(t *testing.T) {
+	m := testManager(t, 2)
+	sub := m.Subscribe(64)
+	defer sub.Close()
+	k := testKeys(10000)
+	heap := func() uint64 {
+		runtime.GC()
+		var ms runtime.MemStats
+		runtime.ReadMemStats(&ms)
+		return ms.HeapAlloc
+	}
+	for _, key := range k[:100] {
+		storeOne(t, m, key)
+	}
+	before := heap()
+	for _, key := range k[100:] {
+		storeOne(t, m, key)
+	}
+	after := heap()
+	if after > before+256<<10 {
+		t.Errorf("heap grew %d KiB over 19,800 undelivered events, want under 256 KiB", (after-before)>>10)
+	}
+	ev := sub.Take()
+	if len(ev) != 65 || ev[64].Kind != EventLost || ev[64].Lost != 2*10000-2-64 {
+		t.Errorf("took %d events, last %+v; want 64 and a lost marker for %d", len(ev), ev[len(ev)-1], 2*10000-2-64)
+	}
+}
+
+// Issue 14: Blocks pages a tier's ready blocks in key order with the
+// event number they are current to; a block being written is not listed;
+// bad limits and unknown tiers are errors.
+func TestBlocksPages(t *testing.T) {
+	m := diskManager(t, t.TempDir(), 8, 8)
+	sub := m.Subscribe(0)
+	defer sub.Close()
+	k := testKeys(5)
+	storeBlocks(t, m, k) // and their cascade to disk
+	writing := &Request{ID: "w"}
+	m.Do(func(s *Step) {
+		s.OnNewRequest(writing)
+		s.PrepareStore(testKeys(6)[5:], writing) // reserved, never completed
+	})
+	want := slices.SortedFunc(slices.Values(k), func(a, b Key) int { return bytes.Compare(a[:], b[:]) })
+	for _, tier := range []string{"cpu", "disk"} {
+		var got []Key
+		var after *Key
+		var seqs []uint64
+		for range 10 {
+			p, err := m.Blocks(tier, after, 2)
+			if err != nil {
+				t.Fatal(err)
+			}
+			got, seqs = append(got, p.Keys...), append(seqs, p.Seq)
+			if p.Next == nil {
+				break
+			}
+			after = p.Next
+		}
+		if !slices.Equal(got, want) || seqs[0] != m.eventSeq() || len(seqs) != 3 {
+			t.Errorf("%s: pages %v (seqs %v), want %v in 3 pages at event %d", tier, got, seqs, want, m.eventSeq())
+		}
+	}
+	for _, bad := range []struct {
+		tier  string
+		limit int
+	}{{"cpu", 0}, {"cpu", MaxBlockPage + 1}, {"nope", 10}} {
+		if _, err := m.Blocks(bad.tier, nil, bad.limit); !errors.Is(err, ErrConfig) {
+			t.Errorf("Blocks(%q, %d): %v, want ErrConfig", bad.tier, bad.limit, err)
+		}
+	}
+	m.Do(func(s *Step) { s.Abort(writing) })
 }

@@ -159,6 +159,9 @@ func (n *Node) events(w http.ResponseWriter, r *http.Request) {
 	w.Header().Set("Content-Type", "application/x-ndjson")
 	w.WriteHeader(200)
 	rc := http.NewResponseController(w)
+	if err := rc.Flush(); err != nil { // the headers now: a follower knows it is connected
+		return
+	}
 	enc := json.NewEncoder(w)
 	for {
 		ev, wait, ended := n.evlog.read(since, eventBatch)
