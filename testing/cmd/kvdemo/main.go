@@ -3,8 +3,11 @@
 // prompt; the consumer fetches them through the P2P tier; the producer is
 // paused (mode=wait, no cache clear); the consumer drops its copy and
 // fetches again from the paused producer; digests are compared; both shut
-// down. It prints what it measured and exits non-zero if anything was
-// wrong.
+// down. A third act routes with events: three nodes, a prompt computed on
+// one, a router (testing/route) that follows their event streams names
+// that node as the source of a request sent to another, and the fetch
+// comes from the peer. It prints what it measured and exits non-zero if
+// anything was wrong.
 package main
 
 import (
@@ -15,10 +18,14 @@ import (
 	"os"
 	"slices"
 	"strings"
+	"sync"
 	"time"
 
+	"github.com/kvtier/kvtier/offload"
 	"github.com/kvtier/kvtier/p2pd/api"
+	"github.com/kvtier/kvtier/p2pd/node"
 	"github.com/kvtier/kvtier/testing/daemon"
+	"github.com/kvtier/kvtier/testing/route"
 )
 
 func main() {
@@ -127,6 +134,15 @@ func run(bin string, blocks int) error {
 	row("pause mode=wait clear_cache=false, idle producer, 20×", fmt.Sprintf("p50 %.2f ms, p99 %.2f ms through the admin API", ms(lat[9]), ms(lat[19])))
 	row("P2P fetch 2 (paused producer)", fmt.Sprintf("%d/%d blocks from peer, %.2f GB/s, digest %s", second.Sources.Peer, blocks, gbps(second), match(second, computed)))
 	row("SIGTERM → exit (producer, consumer)", fmt.Sprintf("%.0f ms exit %d, %.0f ms exit %d", ms(pt), pc, ms(ct), cc))
+
+	fmt.Println("\nact 3: routing with events (three nodes, a router following their /v0/events)")
+	lines, err := routing(dir, bin, check)
+	if err != nil {
+		return fmt.Errorf("routing: %w", err)
+	}
+	for _, l := range lines {
+		row(l[0], l[1])
+	}
 	if len(failures) > 0 {
 		return fmt.Errorf("failed: %s (logs were in %s)", strings.Join(failures, "; "), dir)
 	}
@@ -141,4 +157,63 @@ func match(a, b api.Result) string {
 		return "matches"
 	}
 	return "DIFFERS"
+}
+
+// routing is the third act: three nodes, a prompt computed on node-b,
+// the router's choice for a request sent to node-c, and where node-c's
+// blocks came from.
+func routing(dir, bin string, check func(bool, string)) ([][2]string, error) {
+	const blocks = 64
+	var nodes []*daemon.Proc
+	defer func() {
+		for _, p := range nodes {
+			p.Kill()
+		}
+	}()
+	for _, name := range []string{"node-a", "node-b", "node-c"} {
+		p, err := daemon.Start(dir, bin, name, blocks+16)
+		if err != nil {
+			return nil, err
+		}
+		nodes = append(nodes, p)
+	}
+	r := route.New(offload.DefaultHashSeed, 16, nil)
+	ctx, cancel := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	defer func() {
+		cancel()
+		wg.Wait()
+	}()
+	for _, p := range nodes {
+		wg.Go(func() { r.Follow(ctx, p.Name, p.C, 100*time.Millisecond) })
+	}
+	computed, err := nodes[1].Submit(daemon.Prompt(7, blocks, "", ""))
+	if err != nil {
+		return nil, fmt.Errorf("prefill on node-b: %w", err)
+	}
+	tokens := node.SeededTokens(7, blocks*16)
+	t0 := time.Now()
+	var choice route.Choice
+	for deadline := t0.Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+		if choice = r.Route(tokens, "node-c"); choice.Blocks == blocks || time.Now().After(deadline) {
+			break
+		}
+	}
+	seen := time.Since(t0)
+	check(choice.Node == "node-b" && choice.Blocks == blocks, "the router named node-b, which computed the prompt")
+	res, err := nodes[2].Submit(daemon.Prompt(7, blocks, "routed-1", choice.P2P))
+	if err != nil {
+		return nil, fmt.Errorf("node-c's request: %w", err)
+	}
+	check(res.Sources.Peer == blocks && res.KVDigest == computed.KVDigest, "node-c fetched every block from the router's choice, same digest")
+	for _, p := range nodes {
+		code, _ := p.Stop()
+		check(code == 0, p.Name+" exited 0")
+	}
+	nodes = nil
+	return [][2]string{
+		{"prefill on node-b (computed)", fmt.Sprintf("%d blocks in %.0f ms", computed.Sources.Computed, computed.ElapsedMS)},
+		{"router: the prompt's source for node-c", fmt.Sprintf("%s (%s), %d/%d blocks cached, in its index %.0f ms after the prefill answered", choice.Node, choice.P2P, choice.Blocks, choice.Of, ms(seen))},
+		{"node-c's request with that remote_kv_source", fmt.Sprintf("cpu %d, disk %d, peer %d, computed %d; digest %s", res.Sources.CPU, res.Sources.Disk, res.Sources.Peer, res.Sources.Computed, match(res, computed))},
+	}, nil
 }
