@@ -115,6 +115,7 @@ func (m *Manager) Subscribe(buffer int) *Subscription {
 		buffer = DefaultEventBuffer
 	}
 	s := &Subscription{m: m, limit: buffer, ready: make(chan struct{}, 1)}
+	s.mu.buf = make([]Event, 0, min(buffer, 64))
 	h := &m.events
 	h.Lock()
 	defer h.Unlock()
@@ -129,7 +130,14 @@ func (m *Manager) Subscribe(buffer int) *Subscription {
 // emit numbers e and delivers it to every subscription. It never blocks on
 // a subscriber and may be called from any goroutine, with the manager's
 // or a tier's lock held. With no subscription it keeps nothing.
-func (m *Manager) emit(e Event) {
+func (m *Manager) emit(e Event) { m.publish(e, true) }
+
+// emitShared is emit of an event whose Keys nobody changes afterwards
+// (the CPU tier's: Commit's, the policy's victims, a fresh slice), so
+// subscribers share them without a copy (issue 14: the store path's cost).
+func (m *Manager) emitShared(e Event) { m.publish(e, false) }
+
+func (m *Manager) publish(e Event, copyKeys bool) {
 	h := &m.events
 	h.Lock()
 	defer h.Unlock()
@@ -139,8 +147,10 @@ func (m *Manager) emit(e Event) {
 	h.seq++
 	e.Seq = h.seq
 	e.Removed = e.Kind == EventRemoved
-	e.Keys = slices.Clone(e.Keys) // the tier may reuse its slice
-	e.Tokens = slices.Clone(e.Tokens)
+	if copyKeys {
+		e.Keys = slices.Clone(e.Keys) // the tier may reuse its slice
+	}
+	// Tokens are a slice of a Chain's, which never changes: shared as is.
 	for _, s := range h.subs {
 		s.push(e)
 	}
@@ -201,7 +211,14 @@ func (s *Subscription) Take() []Event {
 
 func (s *Subscription) takeLocked() []Event {
 	ev := s.mu.buf
-	s.mu.buf = nil
+	if len(ev) == 0 {
+		ev = nil
+	} else {
+		// The taken slice is the caller's; the next batch starts at the
+		// size of this one instead of growing from nothing (issue 14:
+		// the store path's cost with a follower).
+		s.mu.buf = make([]Event, 0, min(max(len(ev), 64), s.limit))
+	}
 	if s.mu.lost > 0 {
 		ev = append(ev, Event{Seq: s.mu.lostSeq, Kind: EventLost, Lost: s.mu.lost})
 		s.mu.lost = 0

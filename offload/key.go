@@ -103,7 +103,7 @@ func BlockKeys(seed string, blockTokens int, tokens []uint32) []Key {
 type Chain struct {
 	Root        Key // the parent of Keys[0]
 	Keys        []Key
-	Tokens      []uint32 // at least len(Keys) × BlockTokens
+	Tokens      []uint32 // len(Keys) × BlockTokens; never changed (events share it)
 	BlockTokens int
 	index       map[Key]int
 }

@@ -59,7 +59,7 @@ func (s *Step) Touch(keys []Key, req *Request) {
 type StorePlan struct {
 	Keys    []Key
 	Slots   []int32
-	Evicted []Key
+	Evicted []Key // shared with event subscribers (S2.8): read-only
 }
 
 // PrepareStore reserves CPU slots for the keys of keys that are not

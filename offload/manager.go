@@ -112,7 +112,7 @@ func New(cfg Config, specs ...TierSpec) (*Manager, error) {
 		log.Info("CPU arena without transparent huge pages", "err", arena.HugePagesErr)
 	}
 	m.mu.cpu = NewCPUTier(arena, policy)
-	m.mu.cpu.emit = m.emitter("cpu")
+	m.mu.cpu.emit = func(e Event) { e.Tier = "cpu"; m.emitShared(e) } // its slices are never changed
 	m.mu.cpu.now = m.nowLocked
 	m.mu.jobs = make(map[uint64]*Job)
 	m.mu.reqs = make(map[string]*reqState)
