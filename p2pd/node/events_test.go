@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"os/exec"
 	"strings"
 	"testing"
 	"time"
@@ -240,4 +241,29 @@ func TestBlocksAndPins(t *testing.T) {
 		t.Errorf("a bad duration: %d", code)
 	}
 	n.M.Do(func(s *offload.Step) { s.Abort(holder); s.OnRequestFinished(holder) })
+}
+
+// Issue 14: the daemon's /metrics — the manager's families and its own
+// request-source histogram — passes promtool, and the histogram counts
+// the request by its source.
+func TestMetricsLintNode(t *testing.T) {
+	n, _ := startNode(t, testConfig(t.TempDir()))
+	storeSeeded(t, n, 1)
+	_, body := get(n, "/metrics")
+	for _, want := range []string{`kv_offload_request_source_fraction_bucket{source="computed",le="0.9"} 0`,
+		`kv_offload_request_source_fraction_count{source="computed"} 1`, `kv_offload_request_source_fraction_bucket{source="cpu",le="0"} 1`,
+		`kv_offload_tiering_lookup_tokens_total{tier="cpu",result="miss"} 16`, "kv_offload_cpu_oldest_pin_age_seconds 0"} {
+		if !strings.Contains(body, want) {
+			t.Errorf("no %s in /metrics", want)
+		}
+	}
+	promtool, err := exec.LookPath("promtool")
+	if err != nil {
+		t.Skip("promtool not installed (Debian package prometheus; .ci/run installs it)")
+	}
+	cmd := exec.Command(promtool, "check", "metrics")
+	cmd.Stdin = strings.NewReader(body)
+	if out, err := cmd.CombinedOutput(); err != nil || len(strings.TrimSpace(string(out))) > 0 {
+		t.Errorf("promtool: %v\n%s", err, out)
+	}
 }

@@ -24,7 +24,7 @@ import (
 	"github.com/kvtier/kvtier/p2pd/api"
 )
 
-var bin string // directory of the built p2pd and kvctl
+var bin string // directory of the built p2pd, kvctl and kvroute
 
 func TestMain(m *testing.M) {
 	dir, err := os.MkdirTemp("", "kvtier-e2e-")
@@ -33,7 +33,7 @@ func TestMain(m *testing.M) {
 	}
 	goTool := filepath.Join(runtime.GOROOT(), "bin", "go")
 	build := append(append([]string{"build"}, buildTags...), "-o", dir+"/", "github.com/kvtier/kvtier/p2pd/cmd/p2pd",
-		"github.com/kvtier/kvtier/ctl/cmd/kvctl")
+		"github.com/kvtier/kvtier/ctl/cmd/kvctl", "github.com/kvtier/kvtier/testing/cmd/kvroute")
 	out, err := exec.Command(goTool, build...).CombinedOutput()
 	if err != nil {
 		fmt.Fprintf(os.Stderr, "building p2pd and kvctl: %v\n%s", err, out)

@@ -1,11 +1,19 @@
 package e2e
 
 import (
+	"bufio"
+	"bytes"
 	"context"
+	"encoding/json"
 	"fmt"
 	"maps"
+	"net/http"
+	"os/exec"
+	"path/filepath"
+	"regexp"
 	"slices"
 	"strconv"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -13,7 +21,6 @@ import (
 	"github.com/kvtier/kvtier/ctl"
 	"github.com/kvtier/kvtier/p2pd/api"
 	p2pdnode "github.com/kvtier/kvtier/p2pd/node"
-	"github.com/kvtier/kvtier/testing/route"
 )
 
 // eventSet is a follower's view of the CPU tier, rebuilt from events.
@@ -109,28 +116,22 @@ func TestEventsRebuildBlocks(t *testing.T) {
 	}
 }
 
-// Issue 14: the router (testing/route) follows two real nodes; a prompt
-// computed on a is routed to a for a request sent to b, and the fetch
-// b makes from it comes from the peer; once a evicted the prefix the
-// router stops naming it.
+// Issue 14: kvroute follows two real nodes; a prompt computed on a is
+// routed to a for a request sent to b, and b's fetch with the router's
+// remote_kv_source comes from the peer; once a evicted the prefix the
+// router stops naming it. kvroute ends cleanly on SIGTERM.
 func TestRouterFollowsEviction(t *testing.T) {
 	a, b := start(t, "-node-id", "a", "-cpu-slots", "16"), start(t, "-node-id", "b")
-	r := route.New("kvtier-v1", 16, nil)
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{}, 2)
-	for name, n := range map[string]*node{"a": a, "b": b} {
-		go func() { r.Follow(ctx, name, ctl.New(n.admin, ""), 50*time.Millisecond); done <- struct{}{} }()
-	}
-	defer func() {
-		cancel()
-		<-done
-		<-done
-	}()
+	router := startRouter(t, "-node", "a="+a.admin, "-node", "b="+b.admin)
 	prompt := nodeTokens(7, 192) // 12 blocks
 	if _, out, code := a.submit("--tokens-seed", "7", "--tokens", "192"); code != 0 {
 		t.Fatalf("prefill on a: %s", out)
 	}
-	choice := waitRoute(t, r, prompt, "b", func(c route.Choice) bool { return c.Node == "a" && c.Blocks == 12 })
+	choice := router.wait(t, prompt, "b", func(c routeAnswer) bool { return c.Node == "a" && c.Blocks == 12 })
+	src, _ := json.Marshal(choice.Source)
+	if !strings.Contains(string(src), `"remote_host":"127.0.0.1"`) || choice.Of != 12 {
+		t.Errorf("the router's answer %+v: want a remote_kv_source on loopback for 12 of 12 blocks", choice)
+	}
 	got, out, code := b.submit("--tokens-seed", "7", "--tokens", "192", "--remote-kv-source", choice.P2P, "--kv-request-id", "kv-7")
 	if code != 0 || got.Sources.Peer != 12 {
 		t.Fatalf("b's request with the router's source %s: %d %s", choice.P2P, code, out)
@@ -139,22 +140,87 @@ func TestRouterFollowsEviction(t *testing.T) {
 	if _, out, code := a.submit("--tokens-seed", "8", "--tokens", "192"); code != 0 {
 		t.Fatalf("second prefill on a: %s", out)
 	}
-	waitRoute(t, r, prompt, "b", func(c route.Choice) bool { return c.Node != "a" })
-	waitRoute(t, r, nodeTokens(8, 192), "b", func(c route.Choice) bool { return c.Node == "a" && c.Blocks == 12 })
-	if keys := route.Keys("kvtier-v1", 16, prompt); r.Holds("b", keys) != 12 {
-		t.Errorf("the router sees %d of the prompt's blocks on b, which fetched all 12", r.Holds("b", keys))
-	}
+	router.wait(t, prompt, "b", func(c routeAnswer) bool { return c.Node != "a" })
+	router.wait(t, nodeTokens(8, 192), "b", func(c routeAnswer) bool { return c.Node == "a" && c.Blocks == 12 })
+	// b fetched all 12: routed for a request to a, b is the source.
+	router.wait(t, prompt, "a", func(c routeAnswer) bool { return c.Node == "b" && c.Blocks == 12 })
 }
 
 func nodeTokens(seed uint64, n int) []uint32 { return p2pdnode.SeededTokens(seed, n) }
 
-// waitRoute polls the router (its view follows the streams) until ok, for
-// at most 10 s.
-func waitRoute(t *testing.T, r *route.Router, prompt []uint32, except string, ok func(route.Choice) bool) route.Choice {
+type routeAnswer struct {
+	Node, P2P  string
+	Blocks, Of int
+	Source     map[string]any `json:"remote_kv_source"`
+}
+
+type routerProc struct {
+	addr string
+}
+
+var routerReadyRE = regexp.MustCompile(`kvroute: ready.* listen=(\S+)`)
+
+// startRouter runs kvroute and waits for its ready line; it is stopped
+// with SIGTERM at the end of the test and must exit 0.
+func startRouter(t *testing.T, args ...string) *routerProc {
 	t.Helper()
+	cmd := exec.Command(filepath.Join(bin, "kvroute"), append([]string{"-listen", "127.0.0.1:0"}, args...)...)
+	stderr, err := cmd.StderrPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	ready, exited := make(chan string, 1), make(chan error, 1)
+	go func() {
+		sc := bufio.NewScanner(stderr)
+		for sc.Scan() {
+			if m := routerReadyRE.FindStringSubmatch(sc.Text()); m != nil {
+				ready <- m[1]
+			}
+		}
+		exited <- cmd.Wait()
+	}()
+	r := &routerProc{}
+	select {
+	case r.addr = <-ready:
+	case <-time.After(20 * time.Second):
+		cmd.Process.Kill()
+		t.Fatal("kvroute not ready")
+	}
+	t.Cleanup(func() {
+		cmd.Process.Signal(syscall.SIGTERM)
+		select {
+		case err := <-exited:
+			if err != nil {
+				t.Errorf("kvroute exited with %v", err)
+			}
+		case <-time.After(20 * time.Second):
+			cmd.Process.Kill()
+			t.Error("kvroute did not stop on SIGTERM")
+		}
+	})
+	return r
+}
+
+// wait asks POST /route until ok, for at most 10 s (the router's view
+// follows the streams).
+func (r *routerProc) wait(t *testing.T, prompt []uint32, except string, ok func(routeAnswer) bool) routeAnswer {
+	t.Helper()
+	body, _ := json.Marshal(map[string]any{"prompt_token_ids": prompt, "except": except, "kv_request_id": "kv"})
 	deadline := time.Now().Add(10 * time.Second)
 	for {
-		c := r.Route(prompt, except)
+		resp, err := http.Post("http://"+r.addr+"/route", "application/json", bytes.NewReader(body))
+		if err != nil {
+			t.Fatal(err)
+		}
+		var c routeAnswer
+		err = json.NewDecoder(resp.Body).Decode(&c)
+		resp.Body.Close()
+		if err != nil {
+			t.Fatal(err)
+		}
 		if ok(c) {
 			return c
 		}

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"net"
 	"os/exec"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -56,15 +57,25 @@ func TestStaticPeers(t *testing.T) {
 	}
 }
 
-// The P2P tier's metrics (and the disk tier's) pass promtool's lint.
+// The P2P tier's metrics (and the disk tier's) pass promtool's lint,
+// the per-peer histogram included (issue 14): the consumer fetched once.
 func TestMetricsLint(t *testing.T) {
-	n := NewNode(t, tiny, 4, nil, nil)
+	prod, n := NewNode(t, tiny, 8, nil, nil), NewNode(t, tiny, 8, nil, nil)
+	keys := Keys(3, 4, tiny.BlockTokens)
+	prod.Store(t, keys)
+	if hits, bad := n.Fetch(t, "lint", prod.Tier.Addr(), keys); hits != 4 || bad != 0 {
+		t.Fatalf("fetch: %d hits, %d mismatched", hits, bad)
+	}
 	var buf bytes.Buffer
 	if err := n.M.Metrics().WritePrometheus(&buf); err != nil {
 		t.Fatal(err)
 	}
-	if !strings.Contains(buf.String(), `kv_offload_p2p_sessions{tier="p2p"} 0`) {
-		t.Error("no P2P metrics in the text")
+	for _, want := range []string{`kv_offload_p2p_sessions{tier="p2p"} 1`, `kv_offload_p2p_peer_round_seconds_count{tier="p2p",peer="` + prod.Tier.NodeID() + `"} 1`,
+		`kv_offload_p2p_peer_lookups_sent_total{tier="p2p",peer="`, `,le="+Inf"} 1`,
+		`kv_offload_p2p_peer_bytes_total{tier="p2p",peer="` + prod.Tier.NodeID() + `",direction="in"} ` + strconv.Itoa(4*tiny.BlockBytes())} {
+		if !strings.Contains(buf.String(), want) {
+			t.Errorf("no %s in the text", want)
+		}
 	}
 	promtool, err := exec.LookPath("promtool")
 	if err != nil {
