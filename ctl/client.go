@@ -56,29 +56,14 @@ func (c *Client) Do(ctx context.Context, method, path string, q url.Values, body
 		}
 		rd = strings.NewReader(string(b))
 	}
-	u := c.base + path
-	if len(q) > 0 {
-		u += "?" + q.Encode()
-	}
-	req, err := http.NewRequestWithContext(ctx, method, u, rd)
+	resp, err := c.open(ctx, method, path, q, rd)
 	if err != nil {
 		return err
-	}
-	resp, err := c.http.Do(req)
-	if err != nil {
-		return fmt.Errorf("cannot reach p2pd (is it running, and is the admin path right?): %w", err)
 	}
 	defer resp.Body.Close()
 	data, err := io.ReadAll(resp.Body)
 	if err != nil {
 		return err
-	}
-	if resp.StatusCode != http.StatusOK {
-		var e struct{ Error string }
-		if json.Unmarshal(data, &e) != nil || e.Error == "" {
-			e.Error = strings.TrimSpace(string(data))
-		}
-		return &APIError{Code: resp.StatusCode, Msg: e.Error}
 	}
 	switch o := out.(type) {
 	case nil:
@@ -88,6 +73,33 @@ func (c *Client) Do(ctx context.Context, method, path string, q url.Values, body
 		return nil
 	}
 	return json.Unmarshal(data, out)
+}
+
+// open sends a request and returns a 200 answer for its body to be read;
+// any other answer is an *APIError with the node's message.
+func (c *Client) open(ctx context.Context, method, path string, q url.Values, body io.Reader) (*http.Response, error) {
+	u := c.base + path
+	if len(q) > 0 {
+		u += "?" + q.Encode()
+	}
+	req, err := http.NewRequestWithContext(ctx, method, u, body)
+	if err != nil {
+		return nil, err
+	}
+	resp, err := c.http.Do(req)
+	if err != nil {
+		return nil, fmt.Errorf("cannot reach p2pd (is it running, and is the admin path right?): %w", err)
+	}
+	if resp.StatusCode == http.StatusOK {
+		return resp, nil
+	}
+	defer resp.Body.Close()
+	data, _ := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
+	var e struct{ Error string }
+	if json.Unmarshal(data, &e) != nil || e.Error == "" {
+		e.Error = strings.TrimSpace(string(data))
+	}
+	return nil, &APIError{Code: resp.StatusCode, Msg: e.Error}
 }
 
 // Status fetches the node's status.
@@ -131,23 +143,11 @@ func (c *Client) Events(ctx context.Context, since *uint64, follow bool, fn func
 	if since != nil {
 		q.Set("since", strconv.FormatUint(*since, 10))
 	}
-	req, err := http.NewRequestWithContext(ctx, "GET", c.base+"/v0/events?"+q.Encode(), nil)
+	resp, err := c.open(ctx, "GET", "/v0/events", q, nil)
 	if err != nil {
 		return err
 	}
-	resp, err := c.http.Do(req)
-	if err != nil {
-		return fmt.Errorf("cannot reach p2pd (is it running, and is the admin path right?): %w", err)
-	}
 	defer resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		data, _ := io.ReadAll(io.LimitReader(resp.Body, 1<<16))
-		var e struct{ Error string }
-		if json.Unmarshal(data, &e) != nil || e.Error == "" {
-			e.Error = strings.TrimSpace(string(data))
-		}
-		return &APIError{Code: resp.StatusCode, Msg: e.Error}
-	}
 	dec := json.NewDecoder(resp.Body)
 	for {
 		var e api.Event
