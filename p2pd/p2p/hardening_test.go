@@ -344,31 +344,6 @@ func TestKillClosesRetiringDuplicates(t *testing.T) {
 	}
 }
 
-// S8.1: a full node refuses a new peer before any proof, with code
-// capacity, counted on both sides.
-func TestSessionCap(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
-		mn := newMemNet()
-		n := newNode(t, mn, func(c *Config) { c.MaxSessions = 1 }, 4)
-		connectFake(t, mn, n, "first")
-		synctest.Wait()
-		c, _ := mn.Dial(context.Background(), n.tier.Addr())
-		f := newFake(t, "second", "")
-		_, err := f.shaker().dialControl(c)
-		var re *rejectError
-		if !errors.As(err, &re) || re.Code != wire.CodeCapacity || !re.ByPeer {
-			t.Fatalf("second peer: %v, want a reject with code capacity", err)
-		}
-		synctest.Wait()
-		if v := stat(n, "kv_offload_p2p_handshake_rejects_total"); v != 1 {
-			t.Errorf("rejects %v, want 1", v)
-		}
-		if ps := n.tier.Peers(); len(ps) != 1 || ps[0].Node != "first" {
-			t.Errorf("peers %+v, want only first", ps)
-		}
-	})
-}
-
 // S8.1: one source address holds at most maxPerIP handshake slots; the
 // rest of its connections are closed at once, and another address still
 // gets in. Real loopback sockets (every 127/8 address is local).
@@ -491,49 +466,6 @@ func TestDataStallInsideBlock(t *testing.T) {
 		drained := make(chan struct{})
 		p.Unexpect("prod", 1, func() { close(drained) })
 		<-drained
-	})
-}
-
-// S6.1: when a new connection of a peer process wins over the active one,
-// frames the peer sent on the old one before its duplicate marker are
-// served before anything on the new one: order is kept across the switch.
-func TestDuplicateKeepsOrder(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
-		mn := newMemNet()
-		n := newNode(t, mn, nil, 4)
-		dial := func(nonce byte) *fakePeer {
-			f := newFake(t, "fake", "")
-			c, _ := mn.Dial(context.Background(), n.tier.Addr())
-			f.c = c
-			hs := f.shaker()
-			hs.nonces = func() [32]byte { return [32]byte{nonce} }
-			if _, err := hs.dialControl(c); err != nil {
-				t.Fatal(err)
-			}
-			f.serve()
-			synctest.Wait()
-			return f
-		}
-		old := dial(0xff)
-		cur := dial(0x00) // the smaller dialler nonce wins
-		if m, ok := old.next().(wire.Disconnect); !ok || m.Code != wire.CodeDuplicate {
-			t.Fatalf("old connection got %+v, want the duplicate marker", m)
-		}
-		cur.send(wire.Ping{Seq: 2})
-		synctest.Wait()
-		if !cur.idle() {
-			t.Fatal("a frame on the new connection was served before the old one drained")
-		}
-		old.send(wire.Ping{Seq: 1})
-		old.send(wire.Disconnect{Code: wire.CodeDuplicate})
-		for _, want := range []uint64{1, 2} {
-			if p, ok := cur.next().(wire.Pong); !ok || p.Seq != want {
-				t.Fatalf("got %+v, want pong %d", p, want)
-			}
-		}
-		if v := stat(n, "kv_offload_p2p_peer_deaths_total"); v != 0 {
-			t.Errorf("peer deaths %v, want 0", v)
-		}
 	})
 }
 

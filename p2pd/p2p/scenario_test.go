@@ -26,14 +26,14 @@ import (
 //
 //	store N K… | write N K…           blocks ready in N's CPU tier, or being written (never completed)
 //	listen F                          F's data port, which the node dials to write blocks
-//	connect F N                       fake peer F connects to node N and completes the handshake
-//	send F lookup|fetch|abort|lookup_resp|transfer_done|ping|pong req=R round=N [keys=K,…] [slots=S,…] [hits=1,0,…] [ok=true] [seq=N]
+//	connect F N [as=ID] [nonce=X]     fake peer F (node id ID, F's by default; dialler nonce X) connects to node N and completes the handshake
+//	send F lookup|fetch|abort|lookup_resp|transfer_done|ping|pong|disconnect req=R round=N [keys=K,…] [slots=S,…] [hits=1,0,…] [ok=true] [seq=N] [code=C]
 //	recv F                            the next message the node sent F
 //	idle F                            whether nothing waits for F
 //	blocks F n=N                      F accepts the data connections and reads N blocks
 //	sleep D | wait                    advance the fake clock by D; wait for the bubble
 //	pins N | stat N NAME | errors N REASON
-//	node N [slots=16] [token=T]        a node with a P2P tier (and a cluster token)
+//	node N [slots=16] [token=T] [max_sessions=K]  a node with a P2P tier (a cluster token, a session cap)
 //	handshake F N [token=T] [hash_seed=S]  F dials N and runs the handshake by hand; how it ended
 //	sessions N                        N's sessions, and the consumers it can find a session for
 //	complete N K…                     the store that "write" began finishes
@@ -76,9 +76,15 @@ func (s *protoScenario) do(t *testing.T, c *script.Cmd) string {
 	switch c.Name {
 	case "node":
 		slots, _ := strconv.Atoi(c.Val("slots", "16"))
-		var edit func(*Config)
-		if tok, ok := c.Lookup("token"); ok {
-			edit = func(cfg *Config) { cfg.ClusterToken = tok }
+		tok, withToken := c.Lookup("token")
+		maxSessions, _ := strconv.Atoi(c.Val("max_sessions", "0"))
+		edit := func(cfg *Config) {
+			if withToken {
+				cfg.ClusterToken = tok
+			}
+			if maxSessions > 0 {
+				cfg.MaxSessions = maxSessions
+			}
 		}
 		s.nodes[w[0]] = newNode(t, s.mn, edit, slots)
 	case "handshake":
@@ -124,7 +130,26 @@ func (s *protoScenario) do(t *testing.T, c *script.Cmd) string {
 		}
 		s.data[w[0]] = l
 	case "connect":
-		s.fakes[w[0]] = connectFake(t, s.mn, s.node(t, c, w[1]), w[0])
+		n := s.node(t, c, w[1])
+		f := newFake(t, c.Val("as", w[0]), n.tier.cfg.ClusterToken)
+		conn, err := s.mn.Dial(context.Background(), n.tier.Addr())
+		if err != nil {
+			t.Fatal(err)
+		}
+		f.c = conn
+		hs := f.shaker()
+		if v, ok := c.Lookup("nonce"); ok {
+			x, err := strconv.ParseUint(v, 10, 8)
+			if err != nil {
+				t.Fatalf("%s: nonce %q", c.Pos, v)
+			}
+			hs.nonces = func() [32]byte { return [32]byte{byte(x)} }
+		}
+		if _, err := hs.dialControl(conn); err != nil {
+			t.Fatalf("%s: fake peer handshake: %v", c.Pos, err)
+		}
+		f.serve()
+		s.fakes[w[0]] = f
 	case "send":
 		f := s.fake(t, c, w[0])
 		req := c.Val("req", "")
@@ -166,6 +191,17 @@ func (s *protoScenario) do(t *testing.T, c *script.Cmd) string {
 			}
 			f.send(wire.LookupResp{ReqID: req, Round: round, Keys: keys, Hits: hits})
 			synctest.Wait()
+		case "disconnect":
+			code := -1
+			for i := range wire.NumCodes {
+				if i.String() == c.Val("code", "") {
+					code = int(i)
+				}
+			}
+			if code < 0 {
+				t.Fatalf("%s: no code %q", c.Pos, c.Val("code", ""))
+			}
+			f.send(wire.Disconnect{Code: wire.Code(code)})
 		default:
 			t.Fatalf("%s: cannot send %q", c.Pos, w[1])
 		}
