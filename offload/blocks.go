@@ -12,7 +12,8 @@ import (
 
 // Lister is implemented by secondary tiers that can list the blocks they
 // hold: up to limit keys after the cursor after (nil: from the first), in
-// byte order, and whether more follow.
+// byte order, and whether more follow. The manager calls Blocks without
+// its lock: the tier guards what it reads itself.
 type Lister interface {
 	Blocks(after *Key, limit int) (keys []Key, more bool)
 }
@@ -34,30 +35,41 @@ const MaxBlockPage = 10000
 
 // Blocks lists up to limit (1 … MaxBlockPage) of the ready blocks of the
 // tier named tier ("cpu" or a secondary tier that is a Lister) after the
-// cursor after, in byte order.
+// cursor after, in byte order. The manager lock is held only to copy the
+// CPU tier's keys (O(n)); sorting, and a Lister's own listing, run outside
+// it, so that paging a large tier does not stall engine steps.
 func (m *Manager) Blocks(tier string, after *Key, limit int) (BlockPage, error) {
 	if limit < 1 || limit > MaxBlockPage {
 		return BlockPage{}, fmt.Errorf("%w: limit %d, want 1 … %d", ErrConfig, limit, MaxBlockPage)
 	}
 	page := BlockPage{Tier: tier, Seq: m.eventSeq()}
+	var keys []Key
 	var more bool
-	m.lock()
-	defer m.unlock()
 	if tier == "cpu" {
-		page.Keys, more = pageOf(m.mu.cpu.readyKeys(), after, limit)
+		m.lock()
+		keys = m.mu.cpu.readyKeys(after)
+		m.unlock()
+		keys, more = pageOf(keys, nil, limit)
 	} else {
 		i := slices.IndexFunc(m.specs, func(s TierSpec) bool { return s.Name == tier })
-		if i < 0 || i >= len(m.mu.tiers) {
-			return BlockPage{}, fmt.Errorf("%w: no tier %q", ErrConfig, tier)
+		var l Lister
+		m.lock()
+		if i >= 0 && i < len(m.mu.tiers) {
+			l, _ = m.mu.tiers[i].(Lister)
 		}
-		l, ok := m.mu.tiers[i].(Lister)
-		if !ok {
+		m.unlock()
+		switch {
+		case i < 0:
+			return BlockPage{}, fmt.Errorf("%w: no tier %q", ErrConfig, tier)
+		case l == nil:
 			return BlockPage{}, fmt.Errorf("%w: tier %q holds no blocks of its own", ErrConfig, tier)
 		}
-		if perr := m.tierCall(i, "blocks", func() { page.Keys, more = l.Blocks(after, limit) }); perr != nil {
-			return BlockPage{}, perr
+		var err error
+		if keys, more, err = m.list(i, l, after, limit); err != nil {
+			return BlockPage{}, err
 		}
 	}
+	page.Keys = keys
 	if page.Keys == nil {
 		page.Keys = []Key{}
 	}
@@ -66,6 +78,20 @@ func (m *Manager) Blocks(tier string, after *Key, limit int) (BlockPage, error) 
 		page.Next = &next
 	}
 	return page, nil
+}
+
+// list calls tier i's Lister without the manager lock; a panic is the
+// tier's error, counted as any other (S2.11).
+func (m *Manager) list(i int, l Lister, after *Key, limit int) (keys []Key, more bool, err error) {
+	defer func() {
+		if v := recover(); v != nil {
+			m.lock()
+			err = m.tierPanickedLocked(i, "blocks", v)
+			m.unlock()
+		}
+	}()
+	keys, more = l.Blocks(after, limit)
+	return keys, more, nil
 }
 
 // pageOf sorts keys and returns up to limit of those after the cursor,
@@ -81,24 +107,27 @@ func pageOf(keys []Key, after *Key, limit int) ([]Key, bool) {
 	return keys, false
 }
 
-// readyKeys lists the CPU tier's readable blocks.
-func (c *CPUTier) readyKeys() []Key {
+// readyKeys lists the CPU tier's readable blocks after the cursor.
+func (c *CPUTier) readyKeys(after *Key) []Key {
 	keys := make([]Key, 0, len(c.entries))
 	for k, e := range c.entries {
-		if !e.writing {
+		if !e.writing && (after == nil || bytes.Compare(k[:], after[:]) > 0) {
 			keys = append(keys, k)
 		}
 	}
 	return keys
 }
 
-// Blocks implements Lister.
+// Blocks implements Lister: its lock is held to copy the index's keys
+// after the cursor, not to sort them.
 func (d *Disk) Blocks(after *Key, limit int) ([]Key, bool) {
 	d.mu.Lock()
 	keys := make([]Key, 0, len(d.mu.index))
 	for k := range d.mu.index {
-		keys = append(keys, k)
+		if after == nil || bytes.Compare(k[:], after[:]) > 0 {
+			keys = append(keys, k)
+		}
 	}
 	d.mu.Unlock()
-	return pageOf(keys, after, limit)
+	return pageOf(keys, nil, limit)
 }

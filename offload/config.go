@@ -48,6 +48,11 @@ type Config struct {
 	DiskConfig
 	// Logger receives the manager's logs; nil discards them.
 	Logger *slog.Logger `json:"-"`
+	// EventSeqBase is the number before the first event (S2.8): p2pd sets
+	// its start time in microseconds, so that a restarted node numbers
+	// its events above any of its previous run's and a reader resuming
+	// with an old number learns it lost them.
+	EventSeqBase uint64 `json:"-"`
 	// Now is the clock the manager reads: once per hold of its lock (a
 	// step, a pass), and passed from there to the policy (deadlines,
 	// admission, pin ages) and to the tiers (TierEnv.Now). nil means

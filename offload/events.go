@@ -64,7 +64,9 @@ type Event struct {
 	// Parent and Tokens describe a store's blocks where the request gave
 	// them (Request.Chain): Keys are consecutive blocks of one prompt,
 	// Parent the key before the first, Tokens their token ids in order
-	// (len(Keys) blocks of equal size).
+	// (len(Keys) blocks of equal size). Tokens is a slice of the request's
+	// prompt, shared: a subscriber that keeps events long copies it, or
+	// it keeps the whole prompt alive.
 	Parent *Key     `json:"parent,omitempty"`
 	Tokens []uint32 `json:"token_ids,omitempty"`
 	// Removed is Kind == EventRemoved.
@@ -156,7 +158,10 @@ func (m *Manager) publish(e Event, copyKeys bool) {
 	}
 }
 
-// eventSeq is the number of the last event numbered.
+// EventSeq is the number of the last event numbered (Config.EventSeqBase
+// before the first).
+func (m *Manager) EventSeq() uint64 { return m.eventSeq() }
+
 func (m *Manager) eventSeq() uint64 {
 	h := &m.events
 	h.Lock()

@@ -113,6 +113,7 @@ func New(cfg Config, specs ...TierSpec) (*Manager, error) {
 	}
 	m.mu.cpu = NewCPUTier(arena, policy)
 	m.mu.cpu.emit = func(e Event) { e.Tier = "cpu"; m.emitShared(e) } // its slices are never changed
+	m.events.seq = cfg.EventSeqBase
 	m.mu.cpu.now = m.nowLocked
 	m.mu.jobs = make(map[uint64]*Job)
 	m.mu.reqs = make(map[string]*reqState)

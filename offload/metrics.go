@@ -340,7 +340,9 @@ func (p *promWriter) sample(v float64, labels ...string) {
 		if i == 0 {
 			sep = "{"
 		}
-		fmt.Fprintf(p.w, `%s%s="%s"`, sep, labels[i], labelEscaper.Replace(labels[i+1]))
+		// A label value from a peer (its node id) need not be UTF-8; one
+		// invalid value would make the whole scrape unreadable.
+		fmt.Fprintf(p.w, `%s%s="%s"`, sep, labels[i], labelEscaper.Replace(strings.ToValidUTF8(labels[i+1], "\uFFFD")))
 	}
 	if len(labels) > 0 {
 		p.w.WriteString("}")

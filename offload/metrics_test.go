@@ -6,6 +6,7 @@ import (
 	"os/exec"
 	"strings"
 	"testing"
+	"unicode/utf8"
 )
 
 func testManager(t *testing.T, slots int, specs ...TierSpec) *Manager {
@@ -128,5 +129,18 @@ func TestStepAllocs(t *testing.T) {
 	m := testManager(t, 4, nullSpec("null", Local))
 	if a := testing.AllocsPerRun(100, func() { m.Begin().OnScheduleEnd() }); a > 1 {
 		t.Errorf("an empty step allocates %v times, want at most 1 (the Step)", a)
+	}
+}
+
+// Review (issue 14): a label value that is not UTF-8 (a peer's node id)
+// is written as valid UTF-8, so one bad value cannot make the whole
+// scrape unreadable.
+func TestLabelValuesUTF8(t *testing.T) {
+	var buf strings.Builder
+	if err := WriteStats(&buf, []Stat{{Name: "kv_x_total", Type: "counter", Help: "x.", Value: 1, Labels: []string{"peer", "node-\xff\xfe\"\n"}}}); err != nil {
+		t.Fatal(err)
+	}
+	if !utf8.ValidString(buf.String()) || !strings.Contains(buf.String(), "kv_x_total{peer=\"node-\uFFFD\\\"\\n\"} 1") {
+		t.Errorf("text %q: want valid UTF-8 with the bad bytes replaced and the rest escaped", buf.String())
 	}
 }

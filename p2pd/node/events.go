@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"net/http"
+	"slices"
 	"sort"
 	"strconv"
 	"sync"
@@ -24,6 +25,8 @@ type eventLog struct {
 	sub  *offload.Subscription
 	done chan struct{} // closed when the drain goroutine returned
 
+	base uint64 // the number before this run's first event
+
 	mu      sync.Mutex
 	ring    []offload.Event // oldest at head, len ≤ cap
 	head    int
@@ -33,8 +36,8 @@ type eventLog struct {
 	ended   bool
 }
 
-func newEventLog(m *offload.Manager, history int) *eventLog {
-	l := &eventLog{sub: m.Subscribe(offload.DefaultEventBuffer), done: make(chan struct{}),
+func newEventLog(m *offload.Manager, base uint64, history int) *eventLog {
+	l := &eventLog{sub: m.Subscribe(offload.DefaultEventBuffer), done: make(chan struct{}), base: base, last: base,
 		ring: make([]offload.Event, history), changed: make(chan struct{})}
 	go l.drain()
 	return l
@@ -53,6 +56,10 @@ func (l *eventLog) drain() {
 		}
 		l.mu.Lock()
 		for _, e := range ev {
+			// Token ids share the request's whole prompt (offload.Chain):
+			// the ring keeps a copy of the event's own (found in review: 32
+			// one-block events held 31 MiB of prompts).
+			e.Tokens = slices.Clone(e.Tokens)
 			l.push(e)
 		}
 		close(l.changed)
@@ -86,12 +93,17 @@ func (l *eventLog) Last() uint64 {
 }
 
 // read returns up to max events after since, in order: when events after
-// since are no longer held, a lost marker for them comes first. With
-// nothing after since it returns a channel closed when something arrives
-// (or the log ends) and whether the log ended.
+// since are no longer held, a lost marker for them comes first. since 0
+// is this run's start (a reader that holds nothing); a since from before
+// this run (the node restarted) gets a lost marker. With nothing after
+// since it returns a channel closed when something arrives (or the log
+// ends) and whether the log ended.
 func (l *eventLog) read(since uint64, max int) (ev []offload.Event, wait <-chan struct{}, ended bool) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
+	if since == 0 {
+		since = l.base
+	}
 	if since >= l.last {
 		return nil, l.changed, l.ended
 	}
@@ -113,8 +125,12 @@ func (l *eventLog) read(since uint64, max int) (ev []offload.Event, wait <-chan 
 	return ev, nil, l.ended
 }
 
-// eventBatch bounds the events one read of the log hands a stream.
-const eventBatch = 1024
+// eventBatch bounds the events one read of the log hands a stream;
+// eventWriteTimeout bounds writing one batch to a follower.
+const (
+	eventBatch        = 1024
+	eventWriteTimeout = 30 * time.Second
+)
 
 func toAPIEvent(e offload.Event) api.Event {
 	a := api.Event{Seq: e.Seq, Kind: e.Kind.String(), Tier: e.Tier, TokenIDs: e.Tokens, Epoch: e.Epoch, Lost: e.Lost}
@@ -145,6 +161,12 @@ func (n *Node) events(w http.ResponseWriter, r *http.Request) {
 			fail(w, 400, "since: %q is not a sequence number", v)
 			return
 		}
+		if newest := n.M.EventSeq(); s > newest {
+			// Not a number this node gave: resuming from it would skip
+			// what comes until the numbers reach it (found in review).
+			fail(w, 400, "since: %d is after the newest event, %d (a number from another node?)", s, newest)
+			return
+		}
 		since = s
 	}
 	follow := true
@@ -162,9 +184,37 @@ func (n *Node) events(w http.ResponseWriter, r *http.Request) {
 	if err := rc.Flush(); err != nil { // the headers now: a follower knows it is connected
 		return
 	}
+	// Every write is bounded (a follower that stops reading must not hold
+	// a goroutine, or the node's shutdown, for ever): eventWriteTimeout a
+	// batch, and a second once the node shuts down, also for a write
+	// already blocked.
+	var deadline struct {
+		sync.Mutex
+		final bool
+	}
+	setDeadline := func(d time.Duration, final bool) {
+		deadline.Lock()
+		defer deadline.Unlock()
+		if !deadline.final {
+			deadline.final = final
+			rc.SetWriteDeadline(time.Now().Add(d))
+		}
+	}
+	done := make(chan struct{})
+	defer close(done)
+	go func() { // ends with the handler
+		select {
+		case <-n.quit:
+			setDeadline(time.Second, true)
+		case <-done:
+		}
+	}()
 	enc := json.NewEncoder(w)
 	for {
 		ev, wait, ended := n.evlog.read(since, eventBatch)
+		if len(ev) > 0 {
+			setDeadline(eventWriteTimeout, false)
+		}
 		for _, e := range ev {
 			if err := enc.Encode(toAPIEvent(e)); err != nil {
 				return // the client went

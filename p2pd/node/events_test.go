@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"os/exec"
+	"runtime"
 	"strings"
 	"testing"
 	"time"
@@ -40,10 +41,12 @@ func eventLines(t *testing.T, body string) []api.Event {
 	return out
 }
 
-func seqs(ev []api.Event) string {
+// seqs prints events' numbers relative to base (the node's run) and
+// kinds.
+func seqs(ev []api.Event, base uint64) string {
 	var b []string
 	for _, e := range ev {
-		b = append(b, fmt.Sprintf("%d:%s", e.Seq, e.Kind))
+		b = append(b, fmt.Sprintf("%d:%s", e.Seq-base, e.Kind))
 	}
 	return strings.Join(b, " ")
 }
@@ -80,14 +83,15 @@ func TestEventsResume(t *testing.T) {
 	for i := range 4 { // 4 stores of 2 blocks into 4 slots: 4 stored, 2 removed events
 		storeSeeded(t, n, i)
 	}
-	waitEvents(t, n, 6)
-	_, body := get(n, "/v0/events?since=3&follow=false")
-	if got := seqs(eventLines(t, body)); got != "4:stored 5:removed 6:stored" {
+	base := n.evlog.base
+	waitEvents(t, n, base+6)
+	_, body := get(n, fmt.Sprintf("/v0/events?since=%d&follow=false", base+3))
+	if got := seqs(eventLines(t, body), base); got != "4:stored 5:removed 6:stored" {
 		t.Errorf("since 3: %s", got)
 	}
 	_, body = get(n, "/v0/events?since=0&follow=false")
 	ev := eventLines(t, body)
-	if got := seqs(ev); got != "1:lost 2:stored 3:removed 4:stored 5:removed 6:stored" || ev[0].Lost != 1 {
+	if got := seqs(ev, base); got != "1:lost 2:stored 3:removed 4:stored 5:removed 6:stored" || ev[0].Lost != 1 {
 		t.Errorf("since 0 with events 2-6 held: %s (lost %d), want a lost line for event 1 first", got, ev[0].Lost)
 	}
 	if k := ev[1].Keys; len(k) != 2 || len(k[0]) != 64 || strings.ToLower(k[0]) != k[0] || len(ev[1].TokenIDs) != 32 || len(ev[1].Parent) != 64 {
@@ -96,7 +100,7 @@ func TestEventsResume(t *testing.T) {
 	if code, body := get(n, "/v0/events?follow=false"); code != 200 || body != "" {
 		t.Errorf("no since: %d %q, want nothing (only what comes next)", code, body)
 	}
-	for _, bad := range []string{"since=-1", "since=x", "follow=maybe", "nope=1"} {
+	for _, bad := range []string{"since=-1", "since=x", "follow=maybe", "nope=1", fmt.Sprintf("since=%d", base+7)} {
 		if code, _ := get(n, "/v0/events?"+bad); code != 400 {
 			t.Errorf("%s: %d, want 400", bad, code)
 		}
@@ -131,7 +135,7 @@ func TestEventsFollowEndsOnShutdown(t *testing.T) {
 	storeSeeded(t, n, 1)
 	select {
 	case l := <-lines:
-		if !strings.Contains(l, `"seq":1,"kind":"stored","tier":"cpu"`) {
+		if !strings.Contains(l, fmt.Sprintf(`"seq":%d,"kind":"stored","tier":"cpu"`, n.evlog.base+1)) {
 			t.Errorf("first line %s", l)
 		}
 	case <-time.After(5 * time.Second):
@@ -168,7 +172,7 @@ func TestEventLogBounded(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	l := newEventLog(m, 16)
+	l := newEventLog(m, 0, 16)
 	for i := range 1000 {
 		k := offload.NextKey(offload.RootKey("x"), []uint32{uint32(i)})
 		req := &offload.Request{ID: fmt.Sprint(i)}
@@ -203,10 +207,10 @@ func TestBlocksAndPins(t *testing.T) {
 	n, _ := startNode(t, testConfig(t.TempDir()))
 	storeSeeded(t, n, 1)
 	storeSeeded(t, n, 2)
-	waitEvents(t, n, 2)
+	waitEvents(t, n, n.evlog.base+2)
 	code, body := get(n, "/v0/blocks?limit=3")
 	var page api.Blocks
-	if err := json.Unmarshal([]byte(body), &page); code != 200 || err != nil || len(page.Keys) != 3 || page.Next != page.Keys[2] || page.Seq != 2 {
+	if err := json.Unmarshal([]byte(body), &page); code != 200 || err != nil || len(page.Keys) != 3 || page.Next != page.Keys[2] || page.Seq != n.evlog.base+2 {
 		t.Fatalf("first page: %d %s", code, body)
 	}
 	_, body = get(n, "/v0/blocks?limit=3&cursor="+page.Next)
@@ -266,4 +270,114 @@ func TestMetricsLintNode(t *testing.T) {
 	if out, err := cmd.CombinedOutput(); err != nil || len(strings.TrimSpace(string(out))) > 0 {
 		t.Errorf("promtool: %v\n%s", err, out)
 	}
+}
+
+// Review (issue 14): a follower that stops reading holds neither the
+// node's shutdown nor its own handler goroutine: writes are bounded, and
+// shutting down bounds a blocked one.
+func TestStalledFollowerDoesNotHoldShutdown(t *testing.T) {
+	n, _ := startNode(t, testConfig(t.TempDir()))
+	c, err := net.Dial("unix", n.cfg.Admin)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	fmt.Fprintf(c, "GET /v0/events?since=0 HTTP/1.1\r\nHost: p2pd\r\n\r\n")
+	br := bufio.NewReaderSize(c, 64)
+	if l, err := br.ReadString('\n'); err != nil || !strings.Contains(l, "200") {
+		t.Fatalf("status line %q: %v", l, err)
+	}
+	for i := range 300 { // each request stores 32 blocks and evicts 32: two lines of ~4 KB the follower never reads
+		if code, body := post(n, fmt.Appendf(nil, `{"seed": %d, "tokens": 512}`, 1000+i)); code != 200 {
+			t.Fatalf("request: %d %s", code, body)
+		}
+	}
+	waitEvents(t, n, n.M.EventSeq()) // the handler has them all to write
+	start := time.Now()
+	if err := n.Shutdown(context.Background()); err != nil || time.Since(start) > 3*time.Second {
+		t.Errorf("Shutdown took %v: %v", time.Since(start).Round(time.Millisecond), err)
+	}
+	deadline := time.Now().Add(3 * time.Second)
+	for {
+		buf := make([]byte, 1<<20)
+		if !strings.Contains(string(buf[:runtime.Stack(buf, true)]), "(*Node).events") {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("after Shutdown the events handler is still blocked")
+		}
+		runtime.Gosched()
+	}
+}
+
+// Review (issue 14): a restarted node numbers its events above its last
+// run's, so a reader resuming with a number from before the restart gets
+// a lost line (and resynchronises) instead of silently missing events.
+func TestEventsAfterRestart(t *testing.T) {
+	dir := t.TempDir()
+	old, _ := startNode(t, testConfig(dir))
+	for i := range 5 {
+		storeSeeded(t, old, i)
+	}
+	waitEvents(t, old, old.evlog.base+5)
+	since := old.evlog.Last()
+	old.Shutdown(context.Background())
+	n, _ := startNode(t, testConfig(dir))
+	storeSeeded(t, n, 100)
+	waitEvents(t, n, n.evlog.base+1)
+	if n.evlog.base <= since {
+		t.Fatalf("the restarted node's numbers start at %d, the last run's ended at %d", n.evlog.base, since)
+	}
+	code, body := get(n, fmt.Sprintf("/v0/events?since=%d&follow=false", since))
+	if ev := eventLines(t, body); code != 200 || len(ev) != 2 || ev[0].Kind != "lost" || ev[1].Seq != n.evlog.base+1 {
+		t.Errorf("resuming at the last run's %d: %d %s; want a lost line, then this run's first event", since, code, body)
+	}
+}
+
+// Review (issue 14): the event log keeps an event's own token ids, not
+// the request's whole prompt they are a slice of: 32 one-block events of
+// 1 MiB prompts leave the heap near where it was (measured).
+func TestEventLogCopiesTokens(t *testing.T) {
+	cfg := testConfig(t.TempDir())
+	oc := cfg.OffloadConfig()
+	m, err := offload.New(oc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	l := newEventLog(m, 0, 64)
+	defer func() { m.Close(); l.close() }()
+	bt := oc.Geometry.BlockTokens
+	heap := func() uint64 {
+		runtime.GC()
+		var ms runtime.MemStats
+		runtime.ReadMemStats(&ms)
+		return ms.HeapAlloc
+	}
+	before := heap()
+	for i := range 32 {
+		tokens := make([]uint32, 1<<18) // a 1 MiB prompt whose prefix is cached already
+		for j := range tokens {
+			tokens[j] = uint32(i*7 + j)
+		}
+		chain := offload.NewChain(oc.HashSeed, bt, tokens)
+		req := &offload.Request{ID: fmt.Sprint("r", i), Chain: chain}
+		m.Do(func(s *offload.Step) {
+			s.OnNewRequest(req)
+			p, _ := s.PrepareStore(chain.Keys[len(chain.Keys)-1:], req)
+			s.CompleteStore(p.Keys, req, true)
+			s.OnRequestFinished(req)
+		})
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for l.Last() < 32 && time.Now().Before(deadline) {
+		runtime.Gosched()
+	}
+	ev, _, _ := l.read(0, 64)
+	if len(ev) != 32 || len(ev[0].Tokens) != bt {
+		t.Fatalf("%d events held, want 32 of %d token ids", len(ev), bt)
+	}
+	if grew := int64(heap()) - int64(before); grew > 8<<20 {
+		t.Errorf("32 one-block events hold %d MiB: each keeps its request's whole prompt", grew>>20)
+	}
+	runtime.KeepAlive(l)
 }

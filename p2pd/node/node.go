@@ -60,6 +60,7 @@ func Start(cfg Config, log *slog.Logger) (*Node, error) {
 	n := &Node{cfg: cfg, log: log, stop: make(chan time.Duration, 1), quit: make(chan struct{})}
 	oc := cfg.OffloadConfig()
 	oc.Logger = log
+	oc.EventSeqBase = uint64(time.Now().UnixMicro()) // a restart numbers above its last run (docs/operations.md, Events)
 	var specs []offload.TierSpec
 	if oc.DiskDir != "" {
 		specs = append(specs, offload.DiskTier(oc.DiskConfig))
@@ -71,7 +72,7 @@ func Start(cfg Config, log *slog.Logger) (*Node, error) {
 		return nil, err
 	}
 	n.M, n.P2P = m, m.Tier(ps.Name).(*p2p.Tier)
-	n.evlog = newEventLog(m, cfg.EventHistory)
+	n.evlog = newEventLog(m, oc.EventSeqBase, cfg.EventHistory)
 	n.Eng, err = engine.New(m, engine.Config{GPUBlocks: cfg.GPUBlocks, Backend: cfg.CopyBackend, Logger: log})
 	if err != nil {
 		m.Close()

@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/kvtier/kvtier/offload"
+	"github.com/kvtier/kvtier/p2pd/wire"
 )
 
 // Config configures the P2P tier. Keys are snake_case in JSON.
@@ -139,6 +140,8 @@ func (c *Config) Validate() error {
 		return fmt.Errorf("%w: max_data_conns: %d is below data_conns %d", ErrConfig, c.MaxDataConns, c.DataConns)
 	case len(c.NodeID) > 256:
 		return fmt.Errorf("%w: node_id: longer than 256 bytes", ErrConfig)
+	case !wire.PrintableID(c.NodeID):
+		return fmt.Errorf("%w: node_id: %q is not printable UTF-8", ErrConfig, c.NodeID)
 	case c.Listen == "":
 		return fmt.Errorf("%w: p2p_listen: empty", ErrConfig)
 	case c.DataPlane != "" && c.DataPlane != "tcp" && c.DataPlane != "nixl":

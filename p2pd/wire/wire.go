@@ -14,6 +14,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"unicode/utf8"
 )
 
 // Version is the protocol version; peers must match exactly. Version 2
@@ -261,4 +262,19 @@ func ReadDataHeader(r io.Reader) (DataHeader, error) {
 	}
 	return DataHeader{Round: binary.BigEndian.Uint64(b[0:]), Slot: binary.BigEndian.Uint32(b[8:]),
 		Len: binary.BigEndian.Uint32(b[12:])}, nil
+}
+
+// PrintableID says whether a node id is printable UTF-8 (no control
+// characters): one a log line and a metric label can carry. A peer's id
+// that is not is a protocol error at its Connect.
+func PrintableID(s string) bool {
+	if !utf8.ValidString(s) {
+		return false
+	}
+	for _, r := range s {
+		if r < 0x20 || r == 0x7f || (r >= 0x80 && r < 0xa0) {
+			return false
+		}
+	}
+	return true
 }

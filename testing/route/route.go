@@ -142,6 +142,7 @@ func (r *Router) Follow(ctx context.Context, name string, c *ctl.Client, retry t
 	defer r.forget(name)
 	for {
 		err := r.followOnce(ctx, name, c)
+		r.forget(name) // unfollowed, its view is stale: not routed to until resynchronised
 		if ctx.Err() != nil {
 			return ctx.Err()
 		}
@@ -166,7 +167,7 @@ func (r *Router) followOnce(ctx context.Context, name string, c *ctl.Client) err
 	for i, tier := range []string{"cpu", "disk"} {
 		keys, seq, err := c.AllBlocks(ctx, tier)
 		var ae *ctl.APIError
-		if errors.As(err, &ae) && tier != "cpu" {
+		if errors.As(err, &ae) && ae.Code == 400 && tier != "cpu" {
 			continue // the node has no such tier
 		} else if err != nil {
 			return err

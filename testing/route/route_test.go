@@ -1,10 +1,17 @@
 package route
 
 import (
+	"context"
 	"encoding/hex"
+	"encoding/json"
+	"net/http"
+	"net/http/httptest"
 	"slices"
+	"strings"
 	"testing"
+	"time"
 
+	"github.com/kvtier/kvtier/ctl"
 	"github.com/kvtier/kvtier/offload"
 	"github.com/kvtier/kvtier/p2pd/api"
 )
@@ -53,4 +60,57 @@ func TestIndex(t *testing.T) {
 	if c := r.Route(tokens, ""); c.Blocks != 0 || c.RemoteSource("x") != nil || len(r.index) != 0 {
 		t.Errorf("with nothing held: %+v, index %d keys", c, len(r.index))
 	}
+}
+
+// Review (issue 14): a node the router can no longer follow is not routed
+// to: its view is dropped when its stream ends, until a resync succeeds.
+func TestGoneNodeNotRouted(t *testing.T) {
+	tokens := []uint32{1, 2, 3, 4}
+	keys := Keys("seed", 2, tokens)
+	gone := make(chan struct{})
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /v0/status", func(w http.ResponseWriter, r *http.Request) {
+		w.Write([]byte(`{"p2p": "127.0.0.1:4100"}`))
+	})
+	mux.HandleFunc("GET /v0/blocks", func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Query().Get("tier") != "cpu" {
+			w.WriteHeader(400)
+			w.Write([]byte(`{"error": "no tier"}`))
+			return
+		}
+		json.NewEncoder(w).Encode(map[string]any{"tier": "cpu", "seq": 7, "keys": keys})
+	})
+	mux.HandleFunc("GET /v0/events", func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/x-ndjson")
+		w.WriteHeader(200)
+		w.(http.Flusher).Flush()
+		select {
+		case <-gone:
+		case <-r.Context().Done():
+		}
+	})
+	srv := httptest.NewServer(mux)
+	r := New("seed", 2, nil)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		r.Follow(ctx, "a", ctl.New("", strings.TrimPrefix(srv.URL, "http://")), 20*time.Millisecond)
+	}()
+	defer func() { cancel(); <-done }()
+	waitFor := func(what string, ok func(Choice) bool) {
+		t.Helper()
+		deadline := time.Now().Add(5 * time.Second)
+		for c := r.Route(tokens, ""); !ok(c); c = r.Route(tokens, "") {
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: the router answers %+v", what, c)
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+	}
+	waitFor("following", func(c Choice) bool { return c.Node == "a" && c.Blocks == 2 })
+	close(gone)
+	srv.CloseClientConnections()
+	srv.Close()
+	waitFor("the node gone", func(c Choice) bool { return c.Node == "" })
 }

@@ -355,6 +355,8 @@ func (h *Handshake) connected(c wire.Connect) error {
 	switch {
 	case c.NodeID != h.peer.Node || c.Incarnation != h.peer.Inc:
 		return h.reject(wire.CodeProtocol, "connect names another process than the hello")
+	case !wire.PrintableID(c.NodeID):
+		return h.reject(wire.CodeProtocol, "node id is not printable UTF-8")
 	case c.Version != wire.Version:
 		return h.reject(wire.CodeVersion, "protocol version %d, want %d", c.Version, wire.Version)
 	case c.BlockBytes != self.BlockBytes:

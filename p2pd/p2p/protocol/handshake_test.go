@@ -164,3 +164,17 @@ func TestProofBindsTranscript(t *testing.T) {
 		t.Error("the session key differs between the two sides")
 	}
 }
+
+// Review (issue 14): a peer's node id becomes a log field and a metric
+// label; one that is not printable UTF-8 is a protocol error at its
+// Connect.
+func TestHandshakeRejectsUnprintableID(t *testing.T) {
+	for _, id := range []string{"node-\xff\xfe", "a\nb", "bell\x07"} {
+		d := shaker(id, "tok").DialControl([32]byte{1}, nil)
+		a, _ := pump(t, d, func(h wire.Hello) *Handshake { return shaker("a", "tok").AcceptControl(h, [32]byte{2}, nil) })
+		var re *Reject
+		if !errors.As(a.Err(), &re) || re.Code != wire.CodeProtocol || !strings.Contains(re.Text, "printable") {
+			t.Errorf("node id %q: %v, want a protocol reject", id, a.Err())
+		}
+	}
+}

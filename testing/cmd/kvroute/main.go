@@ -105,7 +105,9 @@ func handler(r *route.Router) http.Handler {
 		dec := json.NewDecoder(http.MaxBytesReader(w, req.Body, 64<<20))
 		dec.DisallowUnknownFields()
 		if err := dec.Decode(&body); err != nil {
-			http.Error(w, fmt.Sprintf(`{"error": %q}`, err.Error()), 400)
+			w.Header().Set("Content-Type", "application/json")
+			w.WriteHeader(400)
+			json.NewEncoder(w).Encode(map[string]string{"error": err.Error()})
 			return
 		}
 		c := r.Route(body.Tokens, body.Except)
