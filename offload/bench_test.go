@@ -117,7 +117,7 @@ func BenchmarkEventsCost(b *testing.B) {
 	// Chains of distinct prompts, built before timing.
 	chains := make([]*Chain, 256)
 	for i := range chains {
-		chains[i] = NewChain(DefaultHashSeed, 16, tokens[i*16*blocks:(i+1)*16*blocks])
+		chains[i] = NewChain(KeyScheme{Seed: DefaultHashSeed}, 16, tokens[i*16*blocks:(i+1)*16*blocks])
 	}
 	var store, hit [2]time.Duration
 	n := 0

@@ -32,6 +32,10 @@ type Config struct {
 	CPUHugePages bool `json:"cpu_huge_pages"`
 	// HashSeed seeds block keys; every node sharing blocks must agree.
 	HashSeed string `json:"hash_seed"`
+	// HashAlgo is the key scheme: "kvtier" or "vllm-sha256-cbor" (vLLM's
+	// sha256_cbor block hashes; with vLLM's seed, "vllm-none-hash" unless
+	// its PYTHONHASHSEED is set).
+	HashAlgo string `json:"hash_algo"`
 	// Admission is "always" or "backpressure" (S2.7).
 	Admission string `json:"admission"`
 	// TierPollInterval is how often the poll goroutine services polled
@@ -70,6 +74,7 @@ func DefaultConfig() Config {
 		CPUPolicy:    "lru",
 		CPUHugePages: true,
 		HashSeed:     DefaultHashSeed,
+		HashAlgo:     HashKvtier,
 		Admission:    "always",
 
 		TierPollInterval:  Duration(time.Millisecond),
@@ -95,6 +100,9 @@ func (c *Config) Validate() error {
 	if c.HashSeed == "" || len(c.HashSeed) > MaxHashSeedLen {
 		return fmt.Errorf("%w: hash_seed: must be 1 to %d bytes, have %d", ErrConfig, MaxHashSeedLen, len(c.HashSeed))
 	}
+	if !slices.Contains(HashAlgos, c.HashAlgo) {
+		return fmt.Errorf("%w: hash_algo: unknown scheme %q (want %s)", ErrConfig, c.HashAlgo, strings.Join(HashAlgos, " or "))
+	}
 	if !slices.Contains([]string{"always", "backpressure"}, c.Admission) {
 		return fmt.Errorf("%w: admission: unknown policy %q (want always or backpressure)", ErrConfig, c.Admission)
 	}
@@ -110,7 +118,10 @@ func (c *Config) slotStride() int { return SlotStride(c.Geometry.BlockBytes()) }
 func (c *Config) CPUSlots() int { return int(c.CPUBytes / int64(c.slotStride())) }
 
 // Fingerprint is the config fingerprint peers compare (S1.1).
-func (c *Config) Fingerprint() string { return Fingerprint(c.Geometry, c.HashSeed) }
+func (c *Config) Fingerprint() string { return Fingerprint(c.Geometry, c.HashSeed, c.HashAlgo) }
+
+// KeyScheme is how this node computes block keys.
+func (c *Config) KeyScheme() KeyScheme { return KeyScheme{Algo: c.HashAlgo, Seed: c.HashSeed} }
 
 // LoadConfig reads a JSON config over the defaults and validates it.
 // Unknown keys are errors; every error names the key concerned.

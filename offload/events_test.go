@@ -236,7 +236,7 @@ func TestEventsCarryChain(t *testing.T) {
 	for i := range tokens {
 		tokens[i] = uint32(1000 + i)
 	}
-	chain := NewChain(m.Config().HashSeed, 16, tokens)
+	chain := NewChain(KeyScheme{Seed: m.Config().HashSeed}, 16, tokens)
 	if len(chain.Keys) != 4 || len(chain.Tokens) != 64 {
 		t.Fatalf("chain of %d keys, %d tokens; want 4 full blocks", len(chain.Keys), len(chain.Tokens))
 	}

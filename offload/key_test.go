@@ -3,6 +3,11 @@ package offload
 import (
 	"crypto/sha256"
 	"encoding/binary"
+	"encoding/hex"
+	"encoding/json"
+	"os/exec"
+	"slices"
+	"strings"
 	"testing"
 )
 
@@ -60,7 +65,7 @@ func TestBlockKeys(t *testing.T) {
 // S1.1: the fingerprint covers geometry, dtype, block size and seed.
 func TestFingerprint(t *testing.T) {
 	base := Geometries["tiny"]
-	fp := Fingerprint(base, "s")
+	fp := Fingerprint(base, "s", "")
 	variants := map[string]func(g *Geometry) string{
 		"seed":         func(g *Geometry) string { return "t" },
 		"layers":       func(g *Geometry) string { g.Layers++; return "s" },
@@ -73,12 +78,76 @@ func TestFingerprint(t *testing.T) {
 	for name, edit := range variants {
 		g := base
 		seed := edit(&g)
-		if Fingerprint(g, seed) == fp {
+		if Fingerprint(g, seed, "") == fp {
 			t.Errorf("changing %s kept the fingerprint", name)
 		}
 	}
-	if Fingerprint(base, "s") != fp {
-		t.Error("fingerprint not deterministic")
+	if Fingerprint(base, "s", "") != fp || Fingerprint(base, "s", HashKvtier) != fp {
+		t.Error("fingerprint not deterministic, or kvtier's scheme changed it")
+	}
+	if Fingerprint(base, "s", HashVLLMSHA256CBOR) == fp {
+		t.Error("the key scheme does not change the fingerprint")
+	}
+}
+
+// Issue 15: vLLM's sha256_cbor block hashes, checked against values
+// computed by hand from canonical CBOR: the root is SHA-256 of the seed
+// as a text string; a block's key SHA-256 of [parent, [tokens…], null],
+// integers in their shortest form (1, 2, 3 and 5 bytes here).
+func TestVLLMKeys(t *testing.T) {
+	s := KeyScheme{Algo: HashVLLMSHA256CBOR, Seed: VLLMDefaultSeed}
+	seedCBOR := append([]byte{0x60 | 14}, VLLMDefaultSeed...)
+	if s.Root() != sha256.Sum256(seedCBOR) {
+		t.Errorf("root %x, want SHA-256 of the CBOR text %x", s.Root(), seedCBOR)
+	}
+	tokens := []uint32{7, 200, 65535, 1 << 20}
+	root := s.Root()
+	want := append([]byte{0x83, 0x58, 32}, root[:]...)
+	want = append(want, 0x84, 0x07, 0x18, 200, 0x19, 0xff, 0xff, 0x1a, 0x00, 0x10, 0x00, 0x00, 0xf6)
+	k := s.Keys(4, tokens)
+	if len(k) != 1 || k[0] != sha256.Sum256(want) {
+		t.Errorf("keys %x, want SHA-256 of %x", k, want)
+	}
+	if kv := BlockKeys(VLLMDefaultSeed, 4, tokens); kv[0] == k[0] {
+		t.Error("kvtier's and vLLM's schemes agree")
+	}
+}
+
+// Issue 15: the same token ids hashed by Python's cbor2 and hashlib as
+// vLLM's sha256_cbor does (Debian's python3-cbor2; .ci/run installs it)
+// give this scheme's keys, for two seeds and a prompt of 3 blocks and a
+// partial one.
+func TestVLLMKeysAgainstCBOR2(t *testing.T) {
+	py := "/usr/bin/python3"
+	if err := exec.Command(py, "-c", "import cbor2").Run(); err != nil {
+		t.Skip("python3-cbor2 is not installed (Debian's python3-cbor2; .ci/run installs it)")
+	}
+	tokens := make([]uint32, 16*3+5)
+	for i := range tokens {
+		tokens[i] = uint32(i*7919) % 151936
+	}
+	script := `
+import sys, json, hashlib, cbor2
+seed, bt, toks = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+h = lambda o: hashlib.sha256(cbor2.dumps(o, canonical=True)).digest()
+parent = h(seed)
+for i in range(len(toks) // bt):
+    parent = h((parent, tuple(toks[i*bt:(i+1)*bt]), None))
+    print(parent.hex())
+`
+	js, _ := json.Marshal(tokens)
+	for _, seed := range []string{VLLMDefaultSeed, "0"} {
+		out, err := exec.Command(py, "-c", script, seed, "16", string(js)).CombinedOutput()
+		if err != nil {
+			t.Fatalf("python: %v\n%s", err, out)
+		}
+		var got []string
+		for _, k := range (KeyScheme{Algo: HashVLLMSHA256CBOR, Seed: seed}).Keys(16, tokens) {
+			got = append(got, hex.EncodeToString(k[:]))
+		}
+		if want := strings.Fields(string(out)); !slices.Equal(got, want) {
+			t.Errorf("seed %q: keys\n%v\nwant (cbor2)\n%v", seed, got, want)
+		}
 	}
 }
 

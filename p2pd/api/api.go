@@ -59,6 +59,27 @@ type Status struct {
 	P2PAuth   string `json:"p2p_auth"`
 	P2PHealth Health `json:"p2p_health"`
 	Copies    string `json:"copies"`
+	// BlockBytes is one block's size, which a peer must match; BlockTokens
+	// its tokens; HashAlgo and HashSeed how its keys are computed (a peer
+	// or a router with another seed finds nothing).
+	BlockBytes  int    `json:"block_bytes"`
+	BlockTokens int    `json:"block_tokens"`
+	HashAlgo    string `json:"hash_algo"`
+	HashSeed    string `json:"hash_seed"`
+}
+
+// KeysRequest is the body of POST /v0/keys: a prompt, as for a request.
+type KeysRequest struct {
+	PromptTokenIDs []uint32 `json:"prompt_token_ids,omitempty"`
+	Seed           *uint64  `json:"seed,omitempty"`
+	Tokens         int      `json:"tokens,omitempty"`
+}
+
+// Keys answers POST /v0/keys: the node's block keys for the prompt's full
+// blocks, 64 hex digits each, in order.
+type Keys struct {
+	HashAlgo string   `json:"hash_algo"`
+	Keys     []string `json:"keys"`
 }
 
 // Health is the P2P port's state: OK unless its accept loop stopped or

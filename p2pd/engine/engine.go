@@ -109,7 +109,7 @@ type Engine struct {
 	x     Executor
 	log   *slog.Logger
 	geo   offload.Geometry
-	seed  string
+	keys  offload.KeyScheme
 	total int
 
 	inbox chan any      // *job, pauseCmd, resumeCmd, shutdownCmd, resetCmd
@@ -192,7 +192,7 @@ func New(m *offload.Manager, cfg Config) (*Engine, error) {
 			return nil, err
 		}
 	}
-	e := &Engine{m: m, x: x, log: log, geo: mc.Geometry, seed: mc.HashSeed, total: cfg.GPUBlocks,
+	e := &Engine{m: m, x: x, log: log, geo: mc.Geometry, keys: mc.KeyScheme(), total: cfg.GPUBlocks,
 		inbox: make(chan any, 64), wake: make(chan struct{}, 1), done: make(chan struct{})}
 	for b := cfg.GPUBlocks - 1; b >= 0; b-- {
 		e.free = append(e.free, int32(b))

@@ -131,7 +131,7 @@ func (e *Engine) handle(msg any) {
 			return
 		}
 		c.start = time.Now()
-		c.chain = offload.NewChain(e.seed, e.geo.BlockTokens, c.r.Tokens)
+		c.chain = offload.NewChain(e.keys, e.geo.BlockTokens, c.r.Tokens)
 		c.keys = c.chain.Keys
 		if len(c.keys) > e.total {
 			c.reply <- jobReply{err: fmt.Errorf("%w: %d blocks, the cache has %d", ErrTooLarge, len(c.keys), e.total)}

@@ -359,7 +359,7 @@ func TestEventLogCopiesTokens(t *testing.T) {
 		for j := range tokens {
 			tokens[j] = uint32(i*7 + j)
 		}
-		chain := offload.NewChain(oc.HashSeed, bt, tokens)
+		chain := offload.NewChain(oc.KeyScheme(), bt, tokens)
 		req := &offload.Request{ID: fmt.Sprint("r", i), Chain: chain}
 		m.Do(func(s *offload.Step) {
 			s.OnNewRequest(req)

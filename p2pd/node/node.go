@@ -206,6 +206,7 @@ func (n *Node) mux() *http.ServeMux {
 	mux.HandleFunc("POST /v0/shutdown", n.shutdown)
 	mux.HandleFunc("GET /v0/health", n.health)
 	mux.HandleFunc("POST /v0/requests", n.request)
+	mux.HandleFunc("POST /v0/keys", n.keys)
 	mux.HandleFunc("GET /metrics", n.metrics)
 	mux.HandleFunc("GET /v0/events", n.events)
 	mux.HandleFunc("GET /v0/blocks", n.blocks)
@@ -325,6 +326,8 @@ func (n *Node) status(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	s.HasPendingWork, s.Poll, s.P2PAuth, s.P2PHealth = n.M.HasPendingWork(), m.Poll, n.p2pAuth(), n.P2P.Health()
+	cfg := n.M.Config()
+	s.BlockBytes, s.BlockTokens, s.HashAlgo, s.HashSeed = n.M.BlockBytes(), cfg.Geometry.BlockTokens, cfg.HashAlgo, cfg.HashSeed
 	reply(w, 200, s)
 }
 
@@ -559,7 +562,9 @@ var requestSeq struct {
 	n uint64
 }
 
-func (n *Node) request(w http.ResponseWriter, r *http.Request) {
+// readPrompt reads a request body (S8.3's bounds) and its prompt: the
+// token ids, or a seed's; false when it answered an error.
+func (n *Node) readPrompt(w http.ResponseWriter, r *http.Request) (requestBody, []uint32, bool) {
 	lim := n.lim
 	if lim == (limits{}) {
 		lim = defaultLimits
@@ -570,24 +575,48 @@ func (n *Node) request(w http.ResponseWriter, r *http.Request) {
 	if err := decodeOne(dec, &b); err != nil {
 		if _, ok := errors.AsType[*http.MaxBytesError](err); ok {
 			fail(w, 413, "body: larger than %d bytes", lim.body)
-			return
+			return b, nil, false
 		}
 		fail(w, 400, "body: %v", err)
-		return
+		return b, nil, false
 	}
 	tokens := b.PromptTokenIDs.ids
 	switch {
 	case len(tokens) > 0 && b.Seed != nil:
 		fail(w, 400, "give prompt_token_ids or seed and tokens, not both")
-		return
+		return b, nil, false
 	case b.Seed != nil:
 		if b.Tokens <= 0 || b.Tokens > lim.tokens {
 			fail(w, 400, "tokens %d: want 1 to %d", b.Tokens, lim.tokens)
-			return
+			return b, nil, false
 		}
 		tokens = SeededTokens(*b.Seed, b.Tokens)
 	case len(tokens) == 0:
 		fail(w, 400, "give prompt_token_ids, or seed and tokens")
+		return b, nil, false
+	}
+	return b, tokens, true
+}
+
+// keys serves POST /v0/keys: the node's block keys for a prompt (issue
+// 15: a wrong seed or scheme gives 0 % hits silently; this shows it).
+func (n *Node) keys(w http.ResponseWriter, r *http.Request) {
+	_, tokens, ok := n.readPrompt(w, r)
+	if !ok {
+		return
+	}
+	cfg := n.M.Config()
+	out := api.Keys{HashAlgo: cfg.HashAlgo, Keys: []string{}}
+	for _, k := range cfg.KeyScheme().Keys(cfg.Geometry.BlockTokens, tokens) {
+		t, _ := k.MarshalText()
+		out.Keys = append(out.Keys, string(t))
+	}
+	reply(w, 200, out)
+}
+
+func (n *Node) request(w http.ResponseWriter, r *http.Request) {
+	b, tokens, ok := n.readPrompt(w, r)
+	if !ok {
 		return
 	}
 	if len(b.RequestID) > 256 {

@@ -4,10 +4,12 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"encoding/hex"
 	"encoding/json"
 	"fmt"
 	"maps"
 	"net/http"
+	"os"
 	"os/exec"
 	"path/filepath"
 	"regexp"
@@ -19,6 +21,7 @@ import (
 	"time"
 
 	"github.com/kvtier/kvtier/ctl"
+	"github.com/kvtier/kvtier/offload"
 	"github.com/kvtier/kvtier/p2pd/api"
 	p2pdnode "github.com/kvtier/kvtier/p2pd/node"
 )
@@ -231,5 +234,59 @@ func (r *routerProc) wait(t *testing.T, prompt []uint32, except string, ok func(
 			t.Fatalf("the router still answers %+v", c)
 		}
 		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// Issue 15: `kvctl keys` prints a node's block keys for a prompt. In
+// vLLM's scheme (-hash-algo vllm-sha256-cbor, vLLM's default seed) they
+// are the block hashes Python's cbor2 and hashlib compute as vLLM's
+// sha256_cbor does; in kvtier's they are offload's. status shows the
+// block size and scheme a peer must match.
+func TestKeysAsVLLM(t *testing.T) {
+	py := "/usr/bin/python3"
+	if err := exec.Command(py, "-c", "import cbor2").Run(); err != nil {
+		t.Skip("python3-cbor2 is not installed (.ci/run installs it)")
+	}
+	vllm := start(t, "-hash-algo", "vllm-sha256-cbor", "-hash-seed", "vllm-none-hash")
+	tokens := p2pdnode.SeededTokens(3, 16*4+7)
+	file := filepath.Join(t.TempDir(), "tokens.txt")
+	var txt []string
+	for _, tok := range tokens {
+		txt = append(txt, strconv.Itoa(int(tok)))
+	}
+	if err := os.WriteFile(file, []byte(strings.Join(txt, " ")+"\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	out, code := vllm.kvctl("keys", "--tokens-file", file)
+	if code != 0 {
+		t.Fatalf("kvctl keys: %d %s", code, out)
+	}
+	js, _ := json.Marshal(tokens)
+	want, err := exec.Command(py, "-c", `
+import sys, json, hashlib, cbor2
+h = lambda o: hashlib.sha256(cbor2.dumps(o, canonical=True)).digest()
+toks, parent = json.loads(sys.argv[1]), h("vllm-none-hash")
+for i in range(len(toks) // 16):
+    parent = h((parent, tuple(toks[i*16:(i+1)*16]), None))
+    print(parent.hex())
+`, string(js)).CombinedOutput()
+	if err != nil {
+		t.Fatalf("python: %v\n%s", err, want)
+	}
+	if strings.Fields(out) == nil || !slices.Equal(strings.Fields(out), strings.Fields(string(want))) {
+		t.Errorf("kvctl keys (vLLM scheme):\n%s\ncbor2:\n%s", out, want)
+	}
+	st, _ := vllm.kvctl("status", "--json")
+	if !strings.Contains(st, `"block_bytes": 8192`) || !strings.Contains(st, `"hash_algo": "vllm-sha256-cbor"`) {
+		t.Errorf("status %s: want block_bytes and hash_algo", st)
+	}
+	native := start(t)
+	out, _ = native.kvctl("keys", "--tokens-file", file)
+	var kv []string
+	for _, k := range offload.BlockKeys(offload.DefaultHashSeed, 16, tokens) {
+		kv = append(kv, hex.EncodeToString(k[:]))
+	}
+	if !slices.Equal(strings.Fields(out), kv) {
+		t.Errorf("kvctl keys (kvtier scheme) %s, want offload's %v", out, kv)
 	}
 }

@@ -1,6 +1,6 @@
 // Command kvctl drives a p2pd node through its admin API: status, pause,
-// resume, shutdown, reset-cache, scrub, submit, metrics, peers, events,
-// blocks, pins.
+// resume, shutdown, reset-cache, scrub, submit, keys, metrics, peers,
+// events, blocks, pins.
 //
 // Exit status: 0 on success, 1 when the operation failed, 2 on a usage
 // error.
@@ -42,6 +42,8 @@ commands:
          [--digest sha256|crc32c|none] [--json]
   metrics                                  Prometheus text
   peers [--json]
+  keys (--tokens-seed S --tokens N | --tokens-file F) [--json]
+                                           the node's block keys for a prompt, one hex key a line
   events [--since N] [--follow] [--json]   what the tiers stored and removed (S2.8)
   blocks [--tier cpu|disk] [--json]        every block a tier holds, and the event it is current to
   pins [--older-than 30s] [--json]         the CPU tier's pins, oldest first (S1.3)
@@ -106,9 +108,9 @@ func run(args []string, out, errw io.Writer) error {
 		if *asJSON {
 			return printJSON(out, s)
 		}
-		fmt.Fprintf(out, "node %s (%s): %s\nrequests: %d running, %d waiting\nCPU tier: %d of %d slots used, %d pinned\npeers: %d · pending work: %v · poll goroutine: %s · copies: %s\nP2P authentication: %s\nP2P port: %s\n",
+		fmt.Fprintf(out, "node %s (%s): %s\nrequests: %d running, %d waiting\nCPU tier: %d of %d slots used, %d pinned\npeers: %d · pending work: %v · poll goroutine: %s · copies: %s\nP2P authentication: %s\nP2P port: %s\nblocks: %d bytes, %d tokens · keys: %s, seed %q\n",
 			s.Node, s.P2P, s.State, s.Requests.Running, s.Requests.Waiting, s.CPUTier.Used, s.CPUTier.Slots, s.CPUTier.Pinned,
-			s.Peers, s.HasPendingWork, s.Poll, s.Copies, authText(s.P2PAuth), healthText(s.P2PHealth))
+			s.Peers, s.HasPendingWork, s.Poll, s.Copies, authText(s.P2PAuth), healthText(s.P2PHealth), s.BlockBytes, s.BlockTokens, s.HashAlgo, s.HashSeed)
 		return nil
 	case "pause":
 		mode := fs.String("mode", "wait", "wait, abort or keep")
@@ -200,22 +202,11 @@ func run(args []string, out, errw io.Writer) error {
 			return usageError{err.Error()}
 		}
 		var body api.Request
-		switch {
-		case *file != "" && *seed == "":
-			toks, err := readTokens(*file)
-			if err != nil {
-				return err
-			}
-			body.PromptTokenIDs = toks
-		case *seed != "" && *file == "" && *n > 0:
-			s, err := strconv.ParseUint(*seed, 10, 64)
-			if err != nil {
-				return usageError{"--tokens-seed wants a non-negative integer"}
-			}
-			body.Seed, body.Tokens = &s, *n
-		default:
-			return usageError{"submit wants --tokens-seed S --tokens N, or --tokens-file F"}
+		p, err := promptOf(*file, *seed, *n)
+		if err != nil {
+			return err
 		}
+		body.PromptTokenIDs, body.Seed, body.Tokens = p.PromptTokenIDs, p.Seed, p.Tokens
 		if *id != "" {
 			body.RequestID = *id
 		}
@@ -268,6 +259,28 @@ func run(args []string, out, errw io.Writer) error {
 		}
 		for _, p := range res.Peers {
 			fmt.Fprintf(out, "%-20s %-22s ready=%v dialed=%v requests=%d rounds=%d\n", p.Node, p.Addr, p.Ready, p.Dialed, p.Requests, p.Rounds)
+		}
+		return nil
+	case "keys":
+		seed := fs.String("tokens-seed", "", "seed of a generated prompt")
+		n := fs.Int("tokens", 0, "length of the generated prompt")
+		file := fs.String("tokens-file", "", "file of whitespace-separated token ids")
+		if err := fs.Parse(rest); err != nil {
+			return usageError{err.Error()}
+		}
+		p, err := promptOf(*file, *seed, *n)
+		if err != nil {
+			return err
+		}
+		var res api.Keys
+		if err := c.Do(ctx, "POST", "/v0/keys", nil, p, &res); err != nil {
+			return explain(err)
+		}
+		if *asJSON {
+			return printJSON(out, res)
+		}
+		for _, k := range res.Keys {
+			fmt.Fprintln(out, k)
 		}
 		return nil
 	case "events":
@@ -335,6 +348,29 @@ func run(args []string, out, errw io.Writer) error {
 		return nil
 	}
 	return usageError{fmt.Sprintf("unknown command %q", cmd)}
+}
+
+// promptOf reads the prompt flags: --tokens-file F, or --tokens-seed S
+// with --tokens N.
+func promptOf(file, seed string, n int) (api.KeysRequest, error) {
+	var p api.KeysRequest
+	switch {
+	case file != "" && seed == "":
+		toks, err := readTokens(file)
+		if err != nil {
+			return p, err
+		}
+		p.PromptTokenIDs = toks
+	case seed != "" && file == "" && n > 0:
+		s, err := strconv.ParseUint(seed, 10, 64)
+		if err != nil {
+			return p, usageError{"--tokens-seed wants a non-negative integer"}
+		}
+		p.Seed, p.Tokens = &s, n
+	default:
+		return p, usageError{"give --tokens-seed S --tokens N, or --tokens-file F"}
+	}
+	return p, nil
 }
 
 // eventText is one event as a line for people.
