@@ -141,17 +141,27 @@ func TestDecodeRejects(t *testing.T) {
 			e.b = append(e.b, 0xff)
 		}),
 		"duplicate field": enc(func(e *encoder) { e.mapHead(2); e.str("type"); e.str("disconnect"); e.str("type"); e.str("disconnect") }),
-		"hits mismatch": Encode(nil, Msg{Type: TypeLookupResp, KVRequestID: "r", Keys: [][]byte{key(1)}, Hits: []bool{}}),
-		"zero blocks":   Encode(nil, Msg{Type: TypeConnect, PeerID: "p", NumBlocks: 0, BlockLen: 1, HashSeed: "s"}),
-		"empty peer id": Encode(nil, Msg{Type: TypeConnectAck}),
-		"deep unknown":  enc(func(e *encoder) { e.mapHead(1); e.str("x"); e.b = append(e.b, 0x91, 0x91, 0x91, 0x91, 0x91, 0x91, 0x91, 0x91, 0x91, 0xc0) }),
+		"hits mismatch":   Encode(nil, Msg{Type: TypeLookupResp, KVRequestID: "r", Keys: [][]byte{key(1)}, Hits: []bool{}}),
+		"zero blocks":     Encode(nil, Msg{Type: TypeConnect, PeerID: "p", NumBlocks: 0, BlockLen: 1, HashSeed: "s"}),
+		"empty peer id":   Encode(nil, Msg{Type: TypeConnectAck}),
+		"deep unknown": enc(func(e *encoder) {
+			e.mapHead(1)
+			e.str("x")
+			e.b = append(e.b, 0x91, 0x91, 0x91, 0x91, 0x91, 0x91, 0x91, 0x91, 0x91, 0xc0)
+		}),
 	} {
 		if m, err := Decode(p); !errors.Is(err, ErrMalformed) {
 			t.Errorf("%s: %+v, %v; want ErrMalformed", name, m, err)
 		}
 	}
 	// An unknown type is not an error (vLLM logs it), an unknown field is skipped.
-	unknown := enc(func(e *encoder) { e.mapHead(2); e.str("type"); e.str("hello"); e.str("x"); e.b = append(e.b, 0x92, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0, 0xc0) })
+	unknown := enc(func(e *encoder) {
+		e.mapHead(2)
+		e.str("type")
+		e.str("hello")
+		e.str("x")
+		e.b = append(e.b, 0x92, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0, 0xc0)
+	})
 	if m, err := Decode(unknown); err != nil || m.Type != "hello" {
 		t.Errorf("an unknown type: %+v, %v", m, err)
 	}
