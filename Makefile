@@ -101,6 +101,7 @@ fuzz:
 	$(OFFLINE) $(GO) test -run '^$$' -fuzz '^FuzzTokenIDs$$' -fuzztime $(FUZZTIME) github.com/kvtier/kvtier/p2pd/node
 	$(OFFLINE) $(GO) test -run '^$$' -fuzz '^FuzzUpdate$$' -fuzztime $(FUZZTIME) github.com/kvtier/kvtier/offload/crc32c
 	$(OFFLINE) $(GO) test -run '^$$' -fuzz '^FuzzDecode$$' -fuzztime $(FUZZTIME) github.com/kvtier/kvtier/p2pd/vllmwire
+	$(OFFLINE) $(GO) test -run '^$$' -fuzz '^FuzzReadMessage$$' -fuzztime $(FUZZTIME) github.com/kvtier/kvtier/p2pd/zmtp
 
 ## demo: two p2pd on loopback: compute, fetch, pause, fetch from the paused node, shut down
 demo: build
