@@ -66,6 +66,10 @@ type Status struct {
 	BlockTokens int    `json:"block_tokens"`
 	HashAlgo    string `json:"hash_algo"`
 	HashSeed    string `json:"hash_seed"`
+	// KVEvents is where vLLM-format KV events are published (empty: not),
+	// and KVEventsSubscribers how many subscribers follow them.
+	KVEvents            string `json:"kv_events,omitempty"`
+	KVEventsSubscribers int    `json:"kv_events_subscribers,omitempty"`
 }
 
 // KeysRequest is the body of POST /v0/keys: a prompt, as for a request.

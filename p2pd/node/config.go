@@ -40,6 +40,13 @@ type Config struct {
 	// ClusterTokenFile holds the cluster token (not the token itself, so
 	// it stays out of process listings and config files).
 	ClusterTokenFile string `json:"cluster_token_file"`
+	// KVEventsEndpoint, when set, publishes the node's events in vLLM's
+	// KV-events format on a ZMQ PUB socket bound there (host:port; needs
+	// hash_algo vllm-sha256-cbor), topic KVEventsTopic; block hashes as
+	// vLLM's default 64-bit integers unless KVEventsByteHashes.
+	KVEventsEndpoint   string `json:"kv_events_endpoint"`
+	KVEventsTopic      string `json:"kv_events_topic"`
+	KVEventsByteHashes bool   `json:"kv_events_byte_hashes"`
 	// EventHistory is how many of the newest events GET /v0/events keeps
 	// for readers that resume (since=) or fall behind.
 	EventHistory int    `json:"event_history"`
@@ -81,6 +88,8 @@ func (c *Config) Validate() error {
 		return fmt.Errorf("%w: cpu_slots: %d is negative", offload.ErrConfig, c.CPUSlots)
 	case c.CopyBackend != "auto" && c.CopyBackend != "cuda" && c.CopyBackend != "host":
 		return fmt.Errorf("%w: copy_backend: %q (want auto, cuda or host)", offload.ErrConfig, c.CopyBackend)
+	case c.KVEventsEndpoint != "" && c.HashAlgo != offload.HashVLLMSHA256CBOR:
+		return fmt.Errorf("%w: kv_events_endpoint: vLLM's KV events carry vLLM's block hashes: set hash_algo %s", offload.ErrConfig, offload.HashVLLMSHA256CBOR)
 	case c.EventHistory < 1 || c.EventHistory > 1<<20:
 		return fmt.Errorf("%w: event_history: %d is not in [1, 1048576]", offload.ErrConfig, c.EventHistory)
 	case c.ShutdownGrace < 0:

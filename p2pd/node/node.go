@@ -38,6 +38,7 @@ type Node struct {
 	// evlog keeps the newest events for GET /v0/events; quit is closed
 	// when the admin server starts shutting down, which ends its streams.
 	evlog   *eventLog
+	vllm    *vllmEvents // vLLM-format KV events; nil unless kv_events_endpoint
 	quit    chan struct{}
 	stop    chan time.Duration // shutdown requested through the API, with its grace
 	sources sourceStats
@@ -73,10 +74,18 @@ func Start(cfg Config, log *slog.Logger) (*Node, error) {
 	}
 	n.M, n.P2P = m, m.Tier(ps.Name).(*p2p.Tier)
 	n.evlog = newEventLog(m, oc.EventSeqBase, cfg.EventHistory)
+	if cfg.KVEventsEndpoint != "" {
+		if n.vllm, err = startVLLMEvents(n); err != nil {
+			m.Close()
+			n.evlog.close()
+			return nil, fmt.Errorf("kv_events_endpoint: %w", err)
+		}
+		log.Info("publishing KV events in vLLM's format", "endpoint", n.vllm.pub.Addr().String(), "topic", cfg.KVEventsTopic)
+	}
 	n.Eng, err = engine.New(m, engine.Config{GPUBlocks: cfg.GPUBlocks, Backend: cfg.CopyBackend, Logger: log})
 	if err != nil {
 		m.Close()
-		n.evlog.close()
+		n.closeEvents()
 		return nil, err
 	}
 	go n.Eng.Run(context.Background()) // stopped by Shutdown
@@ -84,7 +93,7 @@ func Start(cfg Config, log *slog.Logger) (*Node, error) {
 		n.Eng.Shutdown(canceled())
 		n.Eng.Close()
 		m.Close()
-		n.evlog.close()
+		n.closeEvents()
 		return nil, err
 	}
 	if cfg.ClusterToken == "" && cfg.TLSCert == "" {
@@ -92,6 +101,14 @@ func Start(cfg Config, log *slog.Logger) (*Node, error) {
 			"p2p", n.P2P.Addr())
 	}
 	return n, nil
+}
+
+// closeEvents stops the vLLM-format publisher and the event log.
+func (n *Node) closeEvents() {
+	if n.vllm != nil {
+		n.vllm.close()
+	}
+	n.evlog.close()
 }
 
 // readToken reads cluster_token_file; an unreadable or empty (white
@@ -188,7 +205,7 @@ func (n *Node) Shutdown(ctx context.Context) error {
 		errs = append(errs, n.srv.Shutdown(ctx))
 		cancel()
 		errs = append(errs, n.M.Close())
-		n.evlog.close()
+		n.closeEvents()
 		n.adm.close()
 		err = errors.Join(errs...)
 	})
@@ -328,6 +345,9 @@ func (n *Node) status(w http.ResponseWriter, r *http.Request) {
 	s.HasPendingWork, s.Poll, s.P2PAuth, s.P2PHealth = n.M.HasPendingWork(), m.Poll, n.p2pAuth(), n.P2P.Health()
 	cfg := n.M.Config()
 	s.BlockBytes, s.BlockTokens, s.HashAlgo, s.HashSeed = n.M.BlockBytes(), cfg.Geometry.BlockTokens, cfg.HashAlgo, cfg.HashSeed
+	if n.vllm != nil {
+		s.KVEvents, s.KVEventsSubscribers = n.vllm.pub.Addr().String(), n.vllm.subscribers()
+	}
 	reply(w, 200, s)
 }
 

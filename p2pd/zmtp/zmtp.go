@@ -266,8 +266,10 @@ func (z *Conn) commandBody(size uint64) (string, []byte, error) {
 }
 
 // ReadMessage reads the next message, all its frames. It answers a
-// peer's PING with PONG and notes a PONG; other commands are ignored, as
-// the spec allows. A message over maxMsg bytes or MaxParts frames is a
+// peer's PING with PONG and notes a PONG; a SUBSCRIBE or CANCEL command
+// (a ZMTP 3.1 SUB's) is returned as ZMTP 3.0's subscription message, a
+// frame of 1 or 0 and the topic; other commands are ignored, as the spec
+// allows. A message over maxMsg bytes or MaxParts frames is a
 // protocol error (the connection should be closed).
 func (z *Conn) ReadMessage() ([][]byte, error) {
 	var parts [][]byte
@@ -287,6 +289,12 @@ func (z *Conn) ReadMessage() ([][]byte, error) {
 			}
 			if err := z.command(name, body); err != nil {
 				return nil, err
+			}
+			switch name { // ZMTP 3.1 subscriptions, as 3.0's messages
+			case "SUBSCRIBE":
+				return [][]byte{append([]byte{1}, body...)}, nil
+			case "CANCEL":
+				return [][]byte{append([]byte{0}, body...)}, nil
 			}
 			continue
 		}

@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"encoding/binary"
 	"encoding/hex"
 	"encoding/json"
 	"fmt"
@@ -288,5 +289,92 @@ for i in range(len(toks) // 16):
 	}
 	if !slices.Equal(strings.Fields(out), kv) {
 		t.Errorf("kvctl keys (kvtier scheme) %s, want offload's %v", out, kv)
+	}
+}
+
+// Issue 15: with vLLM's keys, the node publishes its events as vLLM's
+// KV-events publisher does — ZMQ PUB, [topic, 8-byte sequence, msgpack
+// batch] — and a libzmq SUB decoding them as vLLM's consumers do sees
+// BlockStored with vLLM's block hashes (the low 64 bits, vLLM's default),
+// the parent of a later block, the token ids; BlockRemoved for evictions;
+// AllBlocksCleared for a reset; sequence numbers without a gap (the
+// subscriber asserts it; how events fall into batches is timing).
+func TestKVEventsAsVLLM(t *testing.T) {
+	py := "/usr/bin/python3"
+	if err := exec.Command(py, "-c", "import zmq, msgpack").Run(); err != nil {
+		t.Skip("python3-zmq or python3-msgpack is not installed (.ci/run installs them)")
+	}
+	n := start(t, "-hash-algo", "vllm-sha256-cbor", "-hash-seed", "vllm-none-hash", "-cpu-slots", "8",
+		"-kv-events-endpoint", "127.0.0.1:0", "-kv-events-topic", "kv@n1")
+	var st api.Status
+	out, _ := n.kvctl("status", "--json")
+	if err := json.Unmarshal([]byte(out), &st); err != nil || st.KVEvents == "" {
+		t.Fatalf("status %s: %v", out, err)
+	}
+	sub := exec.Command(py, "testdata/kvevents_sub.py", st.KVEvents, "kv@n1", "2")
+	stdout, _ := sub.StdoutPipe()
+	sub.Stderr = os.Stderr
+	if err := sub.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer sub.Wait()
+	lines := bufio.NewScanner(stdout)
+	if !lines.Scan() || lines.Text() != "ready" {
+		t.Fatalf("the subscriber said %q", lines.Text())
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for st.KVEventsSubscribers == 0 { // libzmq subscribes asynchronously
+		if time.Now().After(deadline) {
+			t.Fatal("the subscriber never subscribed")
+		}
+		time.Sleep(10 * time.Millisecond)
+		out, _ = n.kvctl("status", "--json")
+		json.Unmarshal([]byte(out), &st)
+	}
+	scheme := offload.KeyScheme{Algo: offload.HashVLLMSHA256CBOR, Seed: "vllm-none-hash"}
+	low := func(k offload.Key) string { return strconv.FormatUint(binary.BigEndian.Uint64(k[24:]), 10) }
+	first := scheme.Keys(16, p2pdnode.SeededTokens(3, 64))
+	second := scheme.Keys(16, p2pdnode.SeededTokens(4, 96))
+	for _, seed := range []string{"3", "4"} {
+		if _, out, code := n.submit("--tokens-seed", seed, "--tokens", map[string]string{"3": "64", "4": "96"}[seed]); code != 0 {
+			t.Fatalf("request: %s", out)
+		}
+	}
+	if out, code := n.kvctl("reset-cache"); code != 0 {
+		t.Fatal(out)
+	}
+	// A prompt whose prefix is cached stores its new blocks only, under
+	// the parent of the first.
+	for _, tokens := range []string{"64", "96"} {
+		if _, out, code := n.submit("--tokens-seed", "3", "--tokens", tokens); code != 0 {
+			t.Fatalf("request: %s", out)
+		}
+	}
+	if out, code := n.kvctl("reset-cache"); code != 0 {
+		t.Fatal(out)
+	}
+	longer := scheme.Keys(16, p2pdnode.SeededTokens(3, 96))
+	var got []string
+	for lines.Scan() && lines.Text() != "end" {
+		got = append(got, lines.Text())
+	}
+	join := func(ks []offload.Key) string {
+		var s []string
+		for _, k := range ks {
+			s = append(s, low(k))
+		}
+		return strings.Join(s, ",")
+	}
+	want := []string{
+		"BlockStored medium=CPU hashes=" + join(first) + " parent=None tokens=64 block_size=16",
+		"BlockRemoved medium=CPU hashes=" + join(first[:2]),
+		"BlockStored medium=CPU hashes=" + join(second) + " parent=None tokens=96 block_size=16",
+		"AllBlocksCleared",
+		"BlockStored medium=CPU hashes=" + join(first) + " parent=None tokens=64 block_size=16",
+		"BlockStored medium=CPU hashes=" + join(longer[4:]) + " parent=" + low(longer[3]) + " tokens=32 block_size=16",
+		"AllBlocksCleared",
+	}
+	if strings.Join(got, "\n") != strings.Join(want, "\n") {
+		t.Errorf("the subscriber decoded:\n%s\nwant:\n%s", strings.Join(got, "\n"), strings.Join(want, "\n"))
 	}
 }

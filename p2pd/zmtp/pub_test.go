@@ -1,0 +1,68 @@
+package zmtp
+
+import (
+	"net"
+	"runtime"
+	"testing"
+	"time"
+)
+
+// A SUB gets the messages whose topic starts with one of its
+// subscriptions and no others; a CANCEL stops them; Close disconnects
+// subscribers (also one still in its handshake) and joins every goroutine.
+func TestPublisher(t *testing.T) {
+	before := runtime.NumGoroutine()
+	p, err := Listen("127.0.0.1:0", 16, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	silent, err := net.Dial("tcp", p.Addr().String()) // never greets
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer silent.Close()
+	c, err := net.Dial("tcp", p.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.SetDeadline(time.Now().Add(10 * time.Second))
+	z, err := Handshake(c, Sub, nil, 1<<10)
+	if err != nil {
+		t.Fatal(err)
+	}
+	z.WriteMessage([]byte("\x01kv"))
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(time.Millisecond) {
+		if n, _ := p.Subscribers(); n == 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("no subscriber")
+		}
+	}
+	p.Publish([]byte("other"), []byte("no"))
+	p.Publish([]byte("kv@n1"), []byte("yes"))
+	m, err := z.ReadMessage()
+	if err != nil || len(m) != 2 || string(m[0]) != "kv@n1" || string(m[1]) != "yes" {
+		t.Fatalf("got %q, %v; want the kv@n1 message only", m, err)
+	}
+	z.WriteMessage([]byte("\x00kv"))
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(time.Millisecond) {
+		if n, _ := p.Subscribers(); n == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the cancel did not take")
+		}
+	}
+	if err := p.Close(); err != nil {
+		t.Error(err)
+	}
+	if _, err := z.ReadMessage(); err == nil {
+		t.Error("the subscriber still connected after Close")
+	}
+	for deadline := time.Now().Add(5 * time.Second); runtime.NumGoroutine() > before+1; time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d goroutines left, %d before", runtime.NumGoroutine(), before)
+		}
+	}
+}
