@@ -29,6 +29,7 @@ func TestConfigValidate(t *testing.T) {
 		{"cpu_policy", func(c *Config) { c.CPUPolicy = "fifo" }},
 		{"hash_seed", func(c *Config) { c.HashSeed = "" }},
 		{"hash_seed", func(c *Config) { c.HashSeed = strings.Repeat("x", MaxHashSeedLen+1) }},
+		{"hash_algo", func(c *Config) { c.HashAlgo = "sha256" }},
 		{"admission", func(c *Config) { c.Admission = "sometimes" }},
 		{"hit_pending_timeout", func(c *Config) { c.HitPendingTimeout = 0 }},
 		{"hit_pending_timeout", func(c *Config) { c.HitPendingTimeout = Duration(-time.Second) }},

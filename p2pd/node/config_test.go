@@ -24,15 +24,18 @@ func TestConfig(t *testing.T) {
 		t.Errorf("loaded %+v", c)
 	}
 	for key, edit := range map[string]func(*Config){
-		"admin":          func(c *Config) { c.Admin = "" },
-		"admin_tcp":      func(c *Config) { c.AdminTCP = "0.0.0.0:9000" },
-		"gpu_blocks":     func(c *Config) { c.GPUBlocks = 0 },
-		"cpu_slots":      func(c *Config) { c.CPUSlots = -1 },
-		"copy_backend":   func(c *Config) { c.CopyBackend = "tpu" },
-		"log_format":     func(c *Config) { c.LogFormat = "xml" },
-		"data_conns":     func(c *Config) { c.DataConns = 0 },
-		"cpu_policy":     func(c *Config) { c.CPUPolicy = "fifo" },
-		"shutdown_grace": func(c *Config) { c.ShutdownGrace = -1 },
+		"admin":              func(c *Config) { c.Admin = "" },
+		"admin_tcp":          func(c *Config) { c.AdminTCP = "0.0.0.0:9000" },
+		"gpu_blocks":         func(c *Config) { c.GPUBlocks = 0 },
+		"cpu_slots":          func(c *Config) { c.CPUSlots = -1 },
+		"copy_backend":       func(c *Config) { c.CopyBackend = "tpu" },
+		"log_format":         func(c *Config) { c.LogFormat = "xml" },
+		"data_conns":         func(c *Config) { c.DataConns = 0 },
+		"cpu_policy":         func(c *Config) { c.CPUPolicy = "fifo" },
+		"shutdown_grace":     func(c *Config) { c.ShutdownGrace = -1 },
+		"event_history":      func(c *Config) { c.EventHistory = 0 },
+		"kv_events_endpoint": func(c *Config) { c.KVEventsEndpoint = "127.0.0.1:5557" }, // with kvtier keys
+		"node_id":            func(c *Config) { c.NodeID = "bad\nid" },
 	} {
 		c := DefaultConfig()
 		edit(&c)
