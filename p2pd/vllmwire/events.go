@@ -9,8 +9,10 @@ import (
 // each batch as three frames — the topic, an 8-byte big-endian sequence
 // number counting batches from 0, and the batch as msgpack — so that a
 // router indexing vLLM instances indexes a kvtier node the same way.
-// A batch is the map {ts, events, data_parallel_rank}; an event the map of
-// a tagged struct, its "type" first: BlockStored {block_hashes,
+// A batch is vLLM's array_like EventBatch, the array [ts, events,
+// data_parallel_rank] (as vLLM 0.26 sends it and its consumers — vLLM's
+// example subscriber, llm-d's indexer — decode it); an event the map of a
+// tagged struct, its "type" first: BlockStored {block_hashes,
 // parent_block_hash, token_ids, block_size, lora_id, medium, lora_name},
 // BlockRemoved {block_hashes, medium}, AllBlocksCleared {} — fields
 // whose value is their default (extra_keys, group_idx, …) omitted, as
@@ -46,11 +48,9 @@ func EncodeEventBatch(b []byte, ts float64, events []KVEvent, dpRank int, intHas
 			e.bin(h)
 		}
 	}
-	e.mapHead(3)
-	e.str("ts")
+	e.arrayHead(3)
 	e.b = append(e.b, 0xcb)
 	e.b = binary.BigEndian.AppendUint64(e.b, math.Float64bits(ts))
-	e.str("events")
 	e.arrayHead(len(events))
 	for _, ev := range events {
 		switch ev.Kind {
@@ -95,7 +95,6 @@ func EncodeEventBatch(b []byte, ts float64, events []KVEvent, dpRank int, intHas
 			e.b = append(e.b, 0xc0)
 		}
 	}
-	e.str("data_parallel_rank")
 	e.uint(uint64(dpRank))
 	return e.b
 }

@@ -248,11 +248,14 @@ func (m *Msg) field(d *decoder, name string, have *fields) error {
 	case "keys":
 		var n int
 		if n, err = d.arrayHead(MaxList); err == nil {
-			m.Keys = make([][]byte, n)
-			for i := range m.Keys {
-				if m.Keys[i], err = d.bin(MaxKey); err != nil {
+			// grown as items are read: a count claims nothing (review)
+			m.Keys = make([][]byte, 0, min(n, 64))
+			for range n {
+				var k []byte
+				if k, err = d.bin(MaxKey); err != nil {
 					break
 				}
+				m.Keys = append(m.Keys, k)
 			}
 		}
 		mark(fKeys)
@@ -270,11 +273,13 @@ func (m *Msg) field(d *decoder, name string, have *fields) error {
 	case "block_indexes":
 		var n int
 		if n, err = d.arrayHead(MaxList); err == nil {
-			m.BlockIndexes = make([]uint64, n)
-			for i := range m.BlockIndexes {
-				if m.BlockIndexes[i], err = d.uint(); err != nil {
+			m.BlockIndexes = make([]uint64, 0, min(n, 64))
+			for range n {
+				var i uint64
+				if i, err = d.uint(); err != nil {
 					break
 				}
+				m.BlockIndexes = append(m.BlockIndexes, i)
 			}
 		}
 		mark(fBlockIndexes)

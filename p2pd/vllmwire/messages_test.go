@@ -6,6 +6,7 @@ import (
 	"errors"
 	"os/exec"
 	"reflect"
+	"runtime"
 	"strings"
 	"testing"
 )
@@ -181,4 +182,62 @@ func FuzzDecode(f *testing.F) {
 			t.Fatalf("%+v re-encoded decodes to %+v, %v", m, again, err)
 		}
 	})
+}
+
+// Review (issue 15): a list's count claims nothing: Decode allocates in
+// proportion to what it read, not to the count (a 64 KiB payload
+// claiming 65,520 keys made it allocate 1.5 MiB).
+func TestDecodeAllocatesWhatItReads(t *testing.T) {
+	e := &encoder{}
+	e.mapHead(4)
+	e.str("type")
+	e.str("lookup")
+	e.str("kv_request_id")
+	e.str("r")
+	e.str("round_seq")
+	e.uint(0)
+	e.str("keys")
+	e.b = append(e.b, 0xdc, 0xff, 0xf0)
+	e.b = append(e.b, make([]byte, 0xfff0)...) // positive fixints, not bins: fails at the first
+	allocs := testing.AllocsPerRun(10, func() { Decode(e.b) })
+	var a, b runtime.MemStats
+	runtime.ReadMemStats(&a)
+	for range 100 {
+		if _, err := Decode(e.b); err == nil {
+			t.Fatal("decoded")
+		}
+	}
+	runtime.ReadMemStats(&b)
+	if per := (b.TotalAlloc - a.TotalAlloc) / 100; per > 4*uint64(len(e.b)) {
+		t.Errorf("a %d-byte payload made Decode allocate %d bytes (%.0f allocations)", len(e.b), per, allocs)
+	}
+}
+
+// Review (issue 15): the KV-event batch is vLLM's array_like EventBatch,
+// [ts, events, data_parallel_rank], as vLLM 0.26 sends it and its
+// consumers decode it; Python's msgpack reads it so.
+func TestEventBatchIsPositional(t *testing.T) {
+	ev := []KVEvent{{Kind: BlockStored, Hashes: [][]byte{make([]byte, 32)}, TokenIDs: []uint32{1, 2}, BlockSize: 2, Medium: "CPU"}, {Kind: AllBlocksCleared}}
+	b := EncodeEventBatch(nil, 1.5, ev, 0, true)
+	if b[0] != 0x93 {
+		t.Errorf("the batch starts 0x%02x; want 0x93, an array of 3", b[0])
+	}
+	py := "/usr/bin/python3"
+	if err := exec.Command(py, "-c", "import msgpack").Run(); err != nil {
+		t.Skip("python3-msgpack is not installed (.ci/run installs it)")
+	}
+	out, err := exec.Command(py, "-c", `
+import sys, msgpack
+b = msgpack.unpackb(bytes.fromhex(sys.argv[1]), raw=False)
+assert isinstance(b, list) and len(b) == 3, "batch is %s" % type(b).__name__
+ts, events, rank = b
+assert ts == 1.5 and rank == 0
+assert [list(e)[0] for e in events] == ["type", "type"]
+assert [e["type"] for e in events] == ["BlockStored", "AllBlocksCleared"]
+assert events[0]["block_hashes"] == [0] and events[0]["parent_block_hash"] is None and events[0]["token_ids"] == [1, 2]
+print("ok")
+`, hex.EncodeToString(b)).CombinedOutput()
+	if err != nil || strings.TrimSpace(string(out)) != "ok" {
+		t.Errorf("python: %v\n%s", err, out)
+	}
 }

@@ -13,9 +13,10 @@ import (
 // Publisher is a bound PUB socket: SUB peers connect, subscribe to topic
 // prefixes, and get every message whose first frame matches one. Like
 // libzmq's PUB it never blocks the publisher: each subscriber has a
-// queue of at most HWM messages, and what does not fit is dropped for
-// that subscriber (the readers of a lossy stream resynchronise from its
-// sequence numbers).
+// queue of at most HWM messages and MaxQueuedBytes, and what does not fit
+// is dropped for that subscriber (the readers of a lossy stream
+// resynchronise from its sequence numbers). At most MaxSubscribers
+// connections are held (the port is unauthenticated); more are closed.
 type Publisher struct {
 	ln  net.Listener
 	hwm int
@@ -31,11 +32,18 @@ type Publisher struct {
 type subscriber struct {
 	z       *Conn
 	mu      sync.Mutex
-	topics  [][]byte // prefixes; at most maxTopics
+	topics  [][]byte // prefixes; at most maxTopics, each once
 	queue   [][][]byte
+	queued  int // bytes in queue
 	wake    chan struct{}
 	dropped uint64
 }
+
+// Bounds of a Publisher, whatever its subscribers do.
+const (
+	MaxSubscribers = 256
+	MaxQueuedBytes = 64 << 20
+)
 
 const (
 	maxTopics       = 64
@@ -82,7 +90,7 @@ func (p *Publisher) accept() {
 // connection does or the publisher closes.
 func (p *Publisher) serve(c net.Conn) {
 	p.mu.Lock()
-	if p.closed {
+	if p.closed || len(p.conns) >= MaxSubscribers {
 		p.mu.Unlock()
 		c.Close()
 		return
@@ -126,7 +134,10 @@ func (p *Publisher) serve(c net.Conn) {
 		topic := slices.Clone(m[0][1:])
 		s.mu.Lock()
 		switch {
-		case m[0][0] == 1 && len(s.topics) < maxTopics:
+		case m[0][0] == 1 && len(s.topics) < maxTopics &&
+			!slices.ContainsFunc(s.topics, func(t []byte) bool { return bytes.Equal(t, topic) }):
+			// one entry a topic, as libzmq's PUB keeps: a libzmq SUB that
+			// subscribed twice cancels once (review)
 			s.topics = append(s.topics, topic)
 		case m[0][0] == 0:
 			if i := slices.IndexFunc(s.topics, func(t []byte) bool { return bytes.Equal(t, topic) }); i >= 0 {
@@ -153,6 +164,7 @@ func (s *subscriber) write(done <-chan struct{}) {
 			m := s.queue[0]
 			s.queue[0] = nil
 			s.queue = s.queue[1:]
+			s.queued -= size(m)
 			s.mu.Unlock()
 			s.z.NetConn().SetWriteDeadline(time.Now().Add(writeTimeout))
 			if err := s.z.WriteMessage(m...); err != nil {
@@ -173,10 +185,11 @@ func (p *Publisher) Publish(parts ...[]byte) {
 		match := slices.ContainsFunc(s.topics, func(t []byte) bool { return bytes.HasPrefix(parts[0], t) })
 		switch {
 		case !match:
-		case len(s.queue) >= p.hwm:
+		case len(s.queue) >= p.hwm || s.queued+size(parts) > MaxQueuedBytes:
 			s.dropped++
 		default:
 			s.queue = append(s.queue, parts)
+			s.queued += size(parts)
 			select {
 			case s.wake <- struct{}{}:
 			default:
@@ -184,6 +197,14 @@ func (p *Publisher) Publish(parts ...[]byte) {
 		}
 		s.mu.Unlock()
 	}
+}
+
+func size(parts [][]byte) int {
+	n := 0
+	for _, p := range parts {
+		n += len(p)
+	}
+	return n
 }
 
 // Subscribers counts the connected subscribers with at least one

@@ -66,3 +66,41 @@ func TestPublisher(t *testing.T) {
 		}
 	}
 }
+
+// Review (issue 15): one entry a topic, as libzmq's PUB keeps: a SUB that
+// subscribed to a topic twice cancels it once (libzmq's SUB counts its
+// own subscriptions and sends CANCEL when its count reaches zero).
+func TestPublisherSubscriptionOnce(t *testing.T) {
+	p, err := Listen("127.0.0.1:0", 16, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	c, err := net.Dial("tcp", p.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(10 * time.Second))
+	z, err := Handshake(c, Sub, nil, 1<<10)
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitSubs := func(want int) {
+		t.Helper()
+		for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(time.Millisecond) {
+			if n, _ := p.Subscribers(); n == want {
+				return
+			}
+			if time.Now().After(deadline) {
+				n, _ := p.Subscribers()
+				t.Fatalf("%d subscribers, want %d", n, want)
+			}
+		}
+	}
+	z.WriteMessage([]byte("\x01a"))
+	waitSubs(1)
+	z.WriteMessage([]byte("\x01a"))
+	z.WriteMessage([]byte("\x00a"))
+	waitSubs(0)
+}

@@ -98,7 +98,11 @@ func Handshake(c net.Conn, socketType string, identity []byte, maxMsg int) (*Con
 	if len(identity) > MaxIdentity {
 		return nil, fmt.Errorf("zmtp: identity of %d bytes, at most %d", len(identity), MaxIdentity)
 	}
-	z := &Conn{c: c, r: bufio.NewReaderSize(c, 64<<10), maxMsg: maxMsg}
+	rbuf := 64 << 10
+	if socketType == Pub {
+		rbuf = 4 << 10 // a SUB sends only subscriptions: an idle one costs little
+	}
+	z := &Conn{c: c, r: bufio.NewReaderSize(c, rbuf), maxMsg: maxMsg}
 	if _, err := c.Write(greeting()); err != nil {
 		return nil, err
 	}
@@ -140,7 +144,7 @@ func Handshake(c net.Conn, socketType string, identity []byte, maxMsg int) (*Con
 		z.writeCommand("ERROR", errorBody("invalid socket type"))
 		return nil, protoErr("a %s peer for a %s socket", z.peerType, socketType)
 	}
-	if id, ok := p["identity"]; ok {
+	if id, ok := p["identity"]; ok && id != "" { // libzmq sends an empty one for an anonymous socket
 		if len(id) > MaxIdentity {
 			return nil, protoErr("identity of %d bytes", len(id))
 		}
@@ -298,10 +302,10 @@ func (z *Conn) ReadMessage() ([][]byte, error) {
 			}
 			continue
 		}
-		total += size
-		if total > uint64(z.maxMsg) {
+		if size > uint64(z.maxMsg)-total { // not total+size: a huge size would wrap
 			return nil, protoErr("a message of more than %d bytes", z.maxMsg)
 		}
+		total += size
 		if len(parts) == MaxParts {
 			return nil, protoErr("a message of more than %d frames", MaxParts)
 		}

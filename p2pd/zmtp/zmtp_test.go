@@ -248,3 +248,30 @@ func FuzzReadMessage(f *testing.F) {
 		}
 	})
 }
+
+// Review (issue 15): a frame whose size would wrap the message's running
+// total (2^64-1 after a 1-byte frame) is over the limit, not a message
+// of an empty frame that desynchronises the stream.
+func TestFrameSizeWrap(t *testing.T) {
+	var in bytes.Buffer
+	in.Write([]byte{flagMore, 1, 'a'})
+	in.Write([]byte{flagLong, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff})
+	in.Write([]byte{0, 1, 'z'})
+	z := &Conn{c: discard{}, r: bufio.NewReader(&in), maxMsg: 1 << 20}
+	if m, err := z.ReadMessage(); !errors.Is(err, ErrProtocol) {
+		t.Fatalf("ReadMessage = %q, %v; want a protocol error", m, err)
+	}
+}
+
+// Review (issue 15): libzmq sends an empty Identity for a socket that
+// set none; that is no identity.
+func TestEmptyIdentityIsNone(t *testing.T) {
+	z, err := pipeHandshake(t, Router, 1<<10, func(c net.Conn) {
+		body := append([]byte{5}, "READY"...)
+		body = append(body, readyBody("Socket-Type", "DEALER", "Identity", "")...)
+		c.Write(append(greeting(), appendFrame(nil, flagCommand, body)...))
+	})
+	if err != nil || z.PeerIdentity() != nil {
+		t.Errorf("identity %q (%v), want none", z.PeerIdentity(), err)
+	}
+}
