@@ -27,32 +27,80 @@ import (
 	"github.com/kvtier/kvtier/p2pd/api"
 )
 
-// Keys returns the block keys of a prompt (S1.1): the root is SHA-256 of
-// "kvtier/root\x00" and the hash seed; each full block's key is SHA-256
-// of its parent's key and its token ids as little-endian uint32.
-func Keys(seed string, blockTokens int, tokens []uint32) []string {
-	root := sha256.Sum256(append([]byte("kvtier/root\x00"), seed...))
-	parent := root[:]
+// Scheme is how the followed nodes compute block keys; a node whose
+// status says otherwise is not followed (its keys would never match).
+type Scheme struct {
+	Algo        string // "kvtier" or "vllm-sha256-cbor"
+	Seed        string
+	BlockTokens int
+}
+
+// Keys returns the block keys of a prompt, as the nodes compute them:
+// kvtier's (S1.1: the root is SHA-256 of "kvtier/root\x00" and the seed;
+// a block's key SHA-256 of its parent's key and its token ids as
+// little-endian uint32) or vLLM's sha256_cbor (the root SHA-256 of the
+// seed as a CBOR text string; a block's SHA-256 of the CBOR array
+// [parent, [token ids], null]).
+func (s Scheme) Keys(tokens []uint32) []string {
+	var parent []byte
+	if s.Algo == "vllm-sha256-cbor" {
+		root := sha256.Sum256(cborHead(nil, 3, len(s.Seed), s.Seed))
+		parent = root[:]
+	} else {
+		root := sha256.Sum256(append([]byte("kvtier/root\x00"), s.Seed...))
+		parent = root[:]
+	}
 	var keys []string
-	for len(tokens) >= blockTokens && blockTokens > 0 {
+	for bt := s.BlockTokens; len(tokens) >= bt && bt > 0; tokens = tokens[bt:] {
 		h := sha256.New()
-		h.Write(parent)
-		for _, t := range tokens[:blockTokens] {
-			h.Write(binary.LittleEndian.AppendUint32(nil, t))
+		if s.Algo == "vllm-sha256-cbor" {
+			b := cborHead([]byte{0x83}, 2, len(parent), string(parent))
+			b = cborHead(b, 4, bt, "")
+			for _, t := range tokens[:bt] {
+				b = cborHead(b, 0, int(t), "")
+			}
+			h.Write(append(b, 0xf6))
+		} else {
+			h.Write(parent)
+			for _, t := range tokens[:bt] {
+				h.Write(binary.LittleEndian.AppendUint32(nil, t))
+			}
 		}
 		parent = h.Sum(nil)
 		keys = append(keys, hex.EncodeToString(parent))
-		tokens = tokens[blockTokens:]
 	}
 	return keys
+}
+
+// cborHead appends a canonical CBOR head (major type, the shortest
+// argument) and then text.
+func cborHead(b []byte, major byte, n int, text string) []byte {
+	m := major << 5
+	switch u := uint64(n); {
+	case u < 24:
+		b = append(b, m|byte(u))
+	case u <= 0xff:
+		b = append(b, m|24, byte(u))
+	case u <= 0xffff:
+		b = append(b, m|25)
+		b = binary.BigEndian.AppendUint16(b, uint16(u))
+	default:
+		b = append(b, m|26)
+		b = binary.BigEndian.AppendUint32(b, uint32(u))
+	}
+	return append(b, text...)
+}
+
+// Keys returns kvtier-scheme keys (Scheme.Keys).
+func Keys(seed string, blockTokens int, tokens []uint32) []string {
+	return Scheme{Algo: "kvtier", Seed: seed, BlockTokens: blockTokens}.Keys(tokens)
 }
 
 // Router follows nodes and answers routes. Its methods are safe for
 // concurrent use.
 type Router struct {
-	seed        string
-	blockTokens int
-	log         *slog.Logger
+	scheme Scheme
+	log    *slog.Logger
 
 	mu    sync.Mutex
 	nodes map[string]*nodeState
@@ -65,12 +113,15 @@ type nodeState struct {
 	synced bool                           // the snapshot is in
 }
 
-// New returns a router for nodes sharing a hash seed and block size.
-func New(seed string, blockTokens int, log *slog.Logger) *Router {
+// New returns a router for nodes computing keys by scheme.
+func New(scheme Scheme, log *slog.Logger) *Router {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	return &Router{seed: seed, blockTokens: blockTokens, log: log, nodes: map[string]*nodeState{},
+	if scheme.Algo == "" {
+		scheme.Algo = "kvtier"
+	}
+	return &Router{scheme: scheme, log: log, nodes: map[string]*nodeState{},
 		index: map[string]map[string]int{}}
 }
 
@@ -99,7 +150,7 @@ func (c Choice) RemoteSource(kvID string) map[string]any {
 // (ties: the first by name), skipping except (the node the request goes
 // to, which needs no peer for what it holds).
 func (r *Router) Route(tokens []uint32, except string) Choice {
-	keys := Keys(r.seed, r.blockTokens, tokens)
+	keys := r.scheme.Keys(tokens)
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	best := Choice{Of: len(keys)}
@@ -155,12 +206,19 @@ func (r *Router) Follow(ctx context.Context, name string, c *ctl.Client, retry t
 	}
 }
 
-var errLost = errors.New("events lost")
+var (
+	errLost   = errors.New("events lost")
+	errScheme = errors.New("another key scheme")
+)
 
 func (r *Router) followOnce(ctx context.Context, name string, c *ctl.Client) error {
 	st, err := c.Status(ctx)
 	if err != nil {
 		return err
+	}
+	if got := (Scheme{Algo: st.HashAlgo, Seed: st.HashSeed, BlockTokens: st.BlockTokens}); got != r.scheme {
+		// its keys would never match the router's: a silent 0 % hit rate
+		return fmt.Errorf("%w: the node computes keys as %+v, the router as %+v", errScheme, got, r.scheme)
 	}
 	snap := map[string]map[string]struct{}{}
 	var since uint64

@@ -29,13 +29,27 @@ func TestKeysAreTheNodes(t *testing.T) {
 	if got := Keys("seed", 16, tokens); !slices.Equal(got, want) || len(got) != 6 {
 		t.Errorf("Keys = %v\nwant  %v", got, want)
 	}
+	// vLLM's scheme, long blocks (a 2-byte CBOR array head) included.
+	for _, bt := range []int{16, 300} {
+		long := make([]uint32, 2*bt+1)
+		for i := range long {
+			long[i] = uint32(i * 104729)
+		}
+		want = nil
+		for _, k := range (offload.KeyScheme{Algo: offload.HashVLLMSHA256CBOR, Seed: "vllm-none-hash"}).Keys(bt, long) {
+			want = append(want, hex.EncodeToString(k[:]))
+		}
+		if got := (Scheme{Algo: "vllm-sha256-cbor", Seed: "vllm-none-hash", BlockTokens: bt}).Keys(long); !slices.Equal(got, want) || len(got) != 2 {
+			t.Errorf("vLLM scheme, %d-token blocks: %v\nwant %v", bt, got, want)
+		}
+	}
 }
 
 // The index follows stored, removed and cleared events per tier; a node
 // holding a block in two tiers keeps it until both dropped it; routes
 // name the longest prefix, skipping the node a request goes to.
 func TestIndex(t *testing.T) {
-	r := New("seed", 2, nil)
+	r := New(Scheme{Seed: "seed", BlockTokens: 2}, nil)
 	tokens := []uint32{1, 2, 3, 4, 5, 6}
 	k := Keys("seed", 2, tokens)
 	r.replace("a", "a:1", nil)
@@ -70,7 +84,7 @@ func TestGoneNodeNotRouted(t *testing.T) {
 	gone := make(chan struct{})
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /v0/status", func(w http.ResponseWriter, r *http.Request) {
-		w.Write([]byte(`{"p2p": "127.0.0.1:4100"}`))
+		w.Write([]byte(`{"p2p": "127.0.0.1:4100", "hash_algo": "kvtier", "hash_seed": "seed", "block_tokens": 2}`))
 	})
 	mux.HandleFunc("GET /v0/blocks", func(w http.ResponseWriter, r *http.Request) {
 		if r.URL.Query().Get("tier") != "cpu" {
@@ -90,7 +104,7 @@ func TestGoneNodeNotRouted(t *testing.T) {
 		}
 	})
 	srv := httptest.NewServer(mux)
-	r := New("seed", 2, nil)
+	r := New(Scheme{Seed: "seed", BlockTokens: 2}, nil)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() {
@@ -113,4 +127,40 @@ func TestGoneNodeNotRouted(t *testing.T) {
 	srv.CloseClientConnections()
 	srv.Close()
 	waitFor("the node gone", func(c Choice) bool { return c.Node == "" })
+}
+
+// A node whose status names another key scheme is not followed: its keys
+// could never match the router's (a silent 0 % hit rate otherwise).
+func TestOtherSchemeNotFollowed(t *testing.T) {
+	tokens := []uint32{1, 2}
+	keys := Keys("seed", 2, tokens)
+	asked := make(chan string, 16)
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /v0/status", func(w http.ResponseWriter, r *http.Request) {
+		asked <- "status"
+		w.Write([]byte(`{"p2p": "127.0.0.1:4100", "hash_algo": "kvtier", "hash_seed": "other", "block_tokens": 2}`))
+	})
+	mux.HandleFunc("GET /v0/blocks", func(w http.ResponseWriter, r *http.Request) {
+		asked <- "blocks"
+		json.NewEncoder(w).Encode(map[string]any{"tier": "cpu", "seq": 1, "keys": keys})
+	})
+	srv := httptest.NewServer(mux)
+	defer srv.Close()
+	r := New(Scheme{Seed: "seed", BlockTokens: 2}, nil)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		r.Follow(ctx, "a", ctl.New("", strings.TrimPrefix(srv.URL, "http://")), time.Millisecond)
+	}()
+	for range 3 { // three attempts, each stopping at the status
+		if got := <-asked; got != "status" {
+			t.Fatalf("the router asked for %s of a node with another seed", got)
+		}
+	}
+	cancel()
+	<-done
+	if c := r.Route(tokens, ""); c.Blocks != 0 {
+		t.Errorf("routed to a node with another seed: %+v", c)
+	}
 }

@@ -177,7 +177,7 @@ func routing(dir, bin string, check func(bool, string)) ([][2]string, error) {
 		}
 		nodes = append(nodes, p)
 	}
-	r := route.New(offload.DefaultHashSeed, 16, nil)
+	r := route.New(route.Scheme{Algo: offload.HashKvtier, Seed: offload.DefaultHashSeed, BlockTokens: 16}, nil)
 	ctx, cancel := context.WithCancel(context.Background())
 	var wg sync.WaitGroup
 	defer func() {

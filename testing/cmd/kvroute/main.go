@@ -5,7 +5,10 @@
 // kv_transfer_params.
 //
 //	kvroute -node a=/run/a.sock -node b=/run/b.sock [-listen 127.0.0.1:8700]
-//	        [-hash-seed kvtier-v1] [-block-tokens 16]
+//	        [-hash-algo kvtier] [-hash-seed kvtier-v1] [-block-tokens 16]
+//
+// A node whose status names another key scheme, seed or block size is not
+// followed (its keys would never match; the log says why).
 //
 //	POST /route {"prompt_token_ids": [...], "except": "b", "kv_request_id": "r1"}
 //	→ {"node": "a", "p2p": "127.0.0.1:4100", "blocks": 12, "of": 14,
@@ -54,6 +57,7 @@ func main() {
 	listen := flag.String("listen", "127.0.0.1:8700", "where to answer POST /route")
 	seed := flag.String("hash-seed", "kvtier-v1", "the nodes' hash_seed")
 	blockTokens := flag.Int("block-tokens", 16, "tokens per block of the nodes' geometry")
+	algo := flag.String("hash-algo", "kvtier", "the nodes' hash_algo: kvtier or vllm-sha256-cbor (a node that differs is not followed)")
 	flag.Parse()
 	if len(nodes) == 0 {
 		fmt.Fprintln(os.Stderr, "kvroute: no -node given")
@@ -62,14 +66,14 @@ func main() {
 	log := slog.New(slog.NewTextHandler(os.Stderr, nil))
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	if err := run(ctx, nodes, *listen, *seed, *blockTokens, log); err != nil {
+	if err := run(ctx, nodes, *listen, route.Scheme{Algo: *algo, Seed: *seed, BlockTokens: *blockTokens}, log); err != nil {
 		fmt.Fprintln(os.Stderr, "kvroute:", err)
 		os.Exit(1)
 	}
 }
 
-func run(ctx context.Context, nodes nodeFlags, listen, seed string, blockTokens int, log *slog.Logger) error {
-	r := route.New(seed, blockTokens, log)
+func run(ctx context.Context, nodes nodeFlags, listen string, scheme route.Scheme, log *slog.Logger) error {
+	r := route.New(scheme, log)
 	ln, err := net.Listen("tcp", listen)
 	if err != nil {
 		return err
