@@ -52,21 +52,30 @@ nocgo:
 # which run over NIXL in a nixl build.
 NIXL_PKGS := github.com/kvtier/kvtier/nixlgo/... github.com/kvtier/kvtier/p2pd/p2p github.com/kvtier/kvtier/testing/p2ptest github.com/kvtier/kvtier/testing/e2e
 
+## nixl-check: check the NIXL install at NIXL_PREFIX — its header, its libraries, and that a binary built against it links them
 nixl-check:
 	@test -f $(NIXL_PREFIX)/include/nixl.h || { echo "no NIXL at NIXL_PREFIX=$(NIXL_PREFIX) (want include/nixl.h): see docs/nixl.md"; exit 1; }
+	@for l in libnixl.so libnixl_build.so; do test -e $(NIXL_LIB)/$$l || { echo "no $$l in $(NIXL_LIB): NIXL_PREFIX=$(NIXL_PREFIX) is not a whole NIXL install (docs/nixl.md)"; exit 1; }; done
+	@mkdir -p bin
+	@$(OFFLINE) $(NIXL_ENV) $(GO) test -c -tags nixl -o bin/nixl-check.test github.com/kvtier/kvtier/nixlgo >bin/nixl-check.log 2>&1 || { \
+		echo "building nixlgo against NIXL_PREFIX=$(NIXL_PREFIX) failed (whole log: bin/nixl-check.log):"; tail -15 bin/nixl-check.log; \
+		echo "(an undefined absl symbol means abseil was built shared or without -DCMAKE_POSITION_INDEPENDENT_CODE=ON: docs/nixl.md)"; exit 1; }
+	@if ldd bin/nixl-check.test | grep -q "not found"; then echo "a NIXL test binary does not find its libraries:"; ldd bin/nixl-check.test | grep "not found"; exit 1; fi
+	@echo "NIXL at $(NIXL_PREFIX): $$(ldd bin/nixl-check.test | grep -c libnixl) NIXL libraries linked from $(NIXL_LIB)"
 
 ## build-nixl: binaries into bin/ built with the nixl tag against NIXL_PREFIX (p2pd -data-plane nixl)
 build-nixl: nixl-check
 	@mkdir -p bin
 	$(OFFLINE) $(NIXL_ENV) $(GO) build -tags nixl -o bin/ $(PKGS)
 
-## test-nixl: vet with the nixl tag, then run the NIXL tests verbosely against NIXL_PREFIX (over UCX tcp on lo unless UCX_TLS/UCX_NET_DEVICES say otherwise); fails if any test skips
+## test-nixl: vet with the nixl tag, then run the NIXL tests verbosely against NIXL_PREFIX (over UCX tcp on lo unless UCX_TLS/UCX_NET_DEVICES say otherwise); fails if a test skips for want of NIXL
 test-nixl: nixl-check
+	@command -v promtool >/dev/null || { echo "test-nixl needs promtool (Debian package prometheus): a metrics test would skip"; exit 1; }
 	$(OFFLINE) $(NIXL_ENV) $(GO) vet -tags nixl $(PKGS)
 	@mkdir -p bin
 	@$(OFFLINE) $(NIXL_ENV) $(GO) test -race -count=1 -v -tags nixl $(NIXL_PKGS) >bin/test-nixl.log 2>&1; rc=$$?; \
 	grep -E -- '^(--- |ok|FAIL)|_test.go:' bin/test-nixl.log; \
-	if grep -q -- '--- SKIP' bin/test-nixl.log; then echo "test-nixl: tests skipped although NIXL is present (bin/test-nixl.log)"; exit 1; fi; \
+	if grep -A1 -- '--- SKIP' bin/test-nixl.log | grep -q 'built without NIXL'; then echo "test-nixl: tests skipped for want of NIXL although it is present (bin/test-nixl.log)"; exit 1; fi; \
 	[ $$rc = 0 ] || echo "test-nixl: FAIL (whole log: bin/test-nixl.log)"; exit $$rc
 
 ## kvbench-nixl: kvbench's B1 over the NIXL and TCP data planes beside plain TCP, with binaries built against NIXL_PREFIX

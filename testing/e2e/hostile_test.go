@@ -263,7 +263,9 @@ func TestHostileFdExhaustion(t *testing.T) {
 // the consumer's request ends within lookup_timeout, recomputing.
 func TestHostileSilentProducer(t *testing.T) {
 	tok := tokenArgs(t, "cluster-secret")
-	cons := start(t, append(tok, configArgs(t, `{"lookup_hold": "1s"}`)...)...)
+	// The fake producer speaks the TCP data plane: a NIXL node would
+	// refuse it at the handshake instead of waiting on its lookup.
+	cons := start(t, append(append(tok, "-data-plane", "tcp"), configArgs(t, `{"lookup_hold": "1s"}`)...)...)
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
