@@ -3,7 +3,9 @@
 // discriminated by "type". It holds the msgpack subset those maps use —
 // maps with string keys, strings, byte strings, unsigned and signed
 // integers, booleans, nil and arrays — written here with the standard
-// library, and the messages. Decoding is bounded like package wire
+// library, the messages, vLLM's KV-event batches (events.go) and the
+// dialect's edge to kvtier's protocol messages (dialect.go). Decoding is
+// bounded like package wire
 // (S8.1): every length is checked against the bytes that remain before
 // anything is allocated, lists and strings have fixed caps, and a message
 // allocates no more than it holds.
