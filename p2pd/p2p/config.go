@@ -75,7 +75,21 @@ type Config struct {
 	DataPlane string `json:"data_plane"`
 	// NIXLParams are the NIXL UCX backend's parameters (data_plane nixl).
 	NIXLParams map[string]string `json:"nixl_params"`
+	// Dialect is the P2P wire: "kvtier" (the default, docs/protocol.md)
+	// or "vllm", vLLM's G2 P2P wire (ZeroMQ ROUTER/DEALER, msgpack,
+	// 36-byte keys; docs/vllm.md), which needs hash_algo
+	// vllm-sha256-cbor, an advertised host:port (vLLM's peer id) and
+	// data_plane nixl — or none, which moves no blocks (every fetch
+	// fails) and is for testing the control plane. vLLM's wire has no
+	// authentication and no checksums: cluster_token and TLS do not apply.
+	Dialect string `json:"p2p_dialect"`
 }
+
+// Dialects of the P2P wire.
+const (
+	DialectKvtier = "kvtier"
+	DialectVLLM   = "vllm"
+)
 
 // DefaultConfig returns the defaults of SEMANTICS.md §9.
 func DefaultConfig() Config {
@@ -95,6 +109,7 @@ func DefaultConfig() Config {
 		DataNice:          0,
 		DataIdleTimeout:   offload.Duration(5 * time.Minute),
 		DataPlane:         "tcp",
+		Dialect:           DialectKvtier,
 	}
 }
 
@@ -144,10 +159,27 @@ func (c *Config) Validate() error {
 		return fmt.Errorf("%w: node_id: %q is not printable UTF-8", ErrConfig, c.NodeID)
 	case c.Listen == "":
 		return fmt.Errorf("%w: p2p_listen: empty", ErrConfig)
+	case c.Dialect != "" && c.Dialect != DialectKvtier && c.Dialect != DialectVLLM:
+		return fmt.Errorf("%w: p2p_dialect: %q (want kvtier or vllm)", ErrConfig, c.Dialect)
+	case c.Dialect == DialectVLLM:
+		return c.validateVLLM()
 	case c.DataPlane != "" && c.DataPlane != "tcp" && c.DataPlane != "nixl":
 		return fmt.Errorf("%w: data_plane: %q (want tcp or nixl)", ErrConfig, c.DataPlane)
 	}
 	return c.validateTLS()
+}
+
+// validateVLLM checks what vLLM's wire allows.
+func (c *Config) validateVLLM() error {
+	switch {
+	case c.DataPlane != "nixl" && c.DataPlane != "none" && testPlanes[c.DataPlane] == nil:
+		return fmt.Errorf("%w: data_plane: %q with p2p_dialect vllm (want nixl, which vLLM speaks, or none: no blocks move)", ErrConfig, c.DataPlane)
+	case c.ClusterToken != "":
+		return fmt.Errorf("%w: cluster_token: vLLM's P2P wire has no authentication; p2p_dialect vllm cannot require a token", ErrConfig)
+	case c.TLSCert != "" || c.TLSKey != "" || c.TLSCA != "":
+		return fmt.Errorf("%w: p2p_tls_cert: vLLM's P2P wire is plain ZeroMQ; p2p_dialect vllm cannot use TLS", ErrConfig)
+	}
+	return nil
 }
 
 func (c *Config) validateTLS() error {

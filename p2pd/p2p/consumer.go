@@ -30,6 +30,10 @@ func (t *Tier) OnNewRequest(req *offload.Request) offload.Level {
 	if !ok || t.closed {
 		return offload.ChunkLevel
 	}
+	if _, none := t.dp.(NonePlane); none {
+		t.warnLimited("p2p: data_plane none: not fetching for a request that names a remote_kv_source", "request", req.ID)
+		return offload.ChunkLevel
+	}
 	kvID, addr := src.KVRequestID, src.Addr
 	s := t.byAddr[addr]
 	if s == nil || s.dead {

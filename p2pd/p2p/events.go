@@ -5,6 +5,7 @@ import (
 	"net"
 
 	"github.com/kvtier/kvtier/p2pd/p2p/protocol"
+	"github.com/kvtier/kvtier/p2pd/vllmwire"
 	"github.com/kvtier/kvtier/p2pd/wire"
 )
 
@@ -58,6 +59,27 @@ type (
 		s     *session
 		round uint64
 	}
+	// vpipe: a vLLM peer's DEALER connected to the ROUTER, with its first
+	// message; vframe: a message on such a connection.
+	vpipe struct {
+		cc    *ctrlConn
+		first vllmwire.Msg
+	}
+	vframe struct {
+		cc *ctrlConn
+		m  vllmwire.Msg
+	}
+	// vdialled: this node's DEALER to a vLLM peer connected, or err.
+	vdialled struct {
+		s   *session
+		cc  *ctrlConn
+		err error
+	}
+	// vpong: the DEALER's outstanding PING was answered.
+	vpong struct {
+		cc  *ctrlConn
+		seq uint64
+	}
 	// peerRemoved: the data plane dropped the peer; re-added while the
 	// session lives (a quarantine), not after its death.
 	peerRemoved struct {
@@ -72,6 +94,17 @@ func (e connClosed) apply(t *Tier)    { t.connLost(e.cc, e.err) }
 func (e sendQueueFull) apply(t *Tier) { t.kill(e.s, "send queue full") }
 func (e accepted) apply(t *Tier)      { t.established(nil, e.c, e.sh) }
 
+func (e vpipe) apply(t *Tier)    { t.vattach(e.cc, e.first) }
+func (e vframe) apply(t *Tier)   { t.vhandle(e.cc, e.m) }
+func (e vdialled) apply(t *Tier) { t.vdialled(e.s, e.cc, e.err) }
+
+func (e vpong) apply(t *Tier) {
+	if s := e.cc.s; s != nil && !s.dead && s.conn == e.cc {
+		s.live.Received(t.env.Now())
+		s.live.Pong(wire.Pong{Seq: e.seq})
+	}
+}
+
 func (e dialled) apply(t *Tier) {
 	if e.err != nil {
 		t.kill(e.s, fmt.Sprintf("dialling %s: %v", e.addr, e.err))
@@ -81,6 +114,9 @@ func (e dialled) apply(t *Tier) {
 }
 
 func (e writeDone) apply(t *Tier) {
+	if e.s.v != nil {
+		delete(e.s.v.writes, e.round)
+	}
 	e.s.prod.WriteDone(e.round, e.err)
 	t.applyProd(e.s)
 }

@@ -55,6 +55,7 @@ type NIXLPlane struct {
 	expect  map[roundKey]*nixlExpect
 	leaving []*nixlLeaving // removed peers, owned by the loop
 	drain   time.Duration
+	vllm    bool // NIXLConfig.VLLM
 	done    chan struct{}
 }
 
@@ -98,6 +99,10 @@ type NIXLConfig struct {
 	// Drain bounds how long a removed peer's transfers in flight may end
 	// before they are cancelled and its endpoint closed (default 2 s).
 	Drain time.Duration
+	// VLLM writes as vLLM's NIXL transport does (p2p_dialect vllm): no
+	// notification and no checksum; the consumer learns of the end from
+	// transfer_done.
+	VLLM bool
 }
 
 // ucxDefaults are UCX settings the plane makes unless the environment
@@ -120,7 +125,7 @@ func NewNIXLPlane(arena *offload.Arena, self wire.Hello, cfg NIXLConfig, log *sl
 	if err != nil {
 		return nil, fmt.Errorf("p2p: nixl data plane: %w", err)
 	}
-	p := &NIXLPlane{arena: arena, agent: agent, log: log, poll: cfg.PollInterval, drain: cfg.Drain,
+	p := &NIXLPlane{arena: arena, agent: agent, log: log, poll: cfg.PollInterval, drain: cfg.Drain, vllm: cfg.VLLM,
 		peers: map[string]*nixlPeer{}, byAgent: map[string]string{},
 		writes: map[roundKey]*nixlWrite{}, expect: map[roundKey]*nixlExpect{}, done: make(chan struct{})}
 	if p.poll <= 0 {
@@ -163,6 +168,18 @@ func (p *NIXLPlane) LocalInfo() []byte {
 	b = binary.LittleEndian.AppendUint64(b, uint64(p.arena.SlotBytes()))
 	b = binary.LittleEndian.AppendUint32(b, uint32(p.arena.Slots()))
 	return append(b, md...)
+}
+
+// VLLMRegion is what a vLLM connect carries (vllmRegion): the agent's
+// metadata and the arena's base; vLLM addresses slot i at base + i ×
+// block_len, so the tier refuses vLLM's wire unless the stride is the
+// slot size.
+func (p *NIXLPlane) VLLMRegion() ([]byte, uintptr) {
+	md, err := p.agent.LocalMetadata()
+	if err != nil {
+		p.log.Error("p2p: nixl metadata", "err", err)
+	}
+	return md, p.arena.Base()
 }
 
 // AddPeer loads the peer's metadata and prepares its slots as write
@@ -318,18 +335,23 @@ func (p *NIXLPlane) write(peer string, round uint64, pairs []SlotPair, done func
 		return
 	}
 	lidx, ridx := make([]int32, len(pairs)), make([]int32, len(pairs))
-	notif := make([]byte, 0, len(notifMagic)+12+8*len(pairs))
-	notif = append(notif, notifMagic...)
-	notif = binary.LittleEndian.AppendUint64(notif, round)
-	notif = binary.LittleEndian.AppendUint32(notif, uint32(len(pairs)))
+	var notif []byte // vLLM's wire: none
+	if !p.vllm {
+		notif = make([]byte, 0, len(notifMagic)+12+8*len(pairs))
+		notif = append(notif, notifMagic...)
+		notif = binary.LittleEndian.AppendUint64(notif, round)
+		notif = binary.LittleEndian.AppendUint32(notif, uint32(len(pairs)))
+	}
 	for i, sp := range pairs {
 		if int(sp.Local) >= p.arena.Slots() || int(sp.Remote) >= np.slots {
 			done(fmt.Errorf("p2p: nixl: slot pair %d→%d out of range", sp.Local, sp.Remote))
 			return
 		}
 		lidx[i], ridx[i] = int32(sp.Local), int32(sp.Remote)
-		notif = binary.LittleEndian.AppendUint32(notif, sp.Remote)
-		notif = binary.LittleEndian.AppendUint32(notif, p.arena.SumOf(int(sp.Local)))
+		if !p.vllm {
+			notif = binary.LittleEndian.AppendUint32(notif, sp.Remote)
+			notif = binary.LittleEndian.AppendUint32(notif, p.arena.SumOf(int(sp.Local)))
+		}
 	}
 	req, err := p.agent.MakeXfer(nixlgo.Write, p.local, lidx, np.remote, ridx, notif)
 	if err != nil {

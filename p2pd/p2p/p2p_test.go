@@ -25,13 +25,18 @@ func tinyConfig(slots int) offload.Config {
 
 func newNode(t testing.TB, n Network, edit func(*Config), slots int) *node {
 	t.Helper()
+	return newNodeWith(t, n, edit, tinyConfig(slots))
+}
+
+// newNodeWith is newNode with the manager's config cfg.
+func newNodeWith(t testing.TB, n Network, edit func(*Config), cfg offload.Config) *node {
+	t.Helper()
 	pc := DefaultConfig()
 	pc.Listen = "127.0.0.1:0"
 	pc.DataConns = 2
 	if edit != nil {
 		edit(&pc)
 	}
-	cfg := tinyConfig(slots)
 	nd := &node{}
 	spec := Spec(pc, cfg, n)
 	m, err := offload.New(cfg, spec)

@@ -16,9 +16,9 @@ func (t *Tier) applyProd(s *session) {
 			t.send(s, a.Msg)
 		case protocol.StartWrite:
 			id := a.Round
-			t.dp.Write(s.peer, id.Round, a.Pairs, func(err error) { t.post(writeDone{s, id, err}) })
+			t.dp.Write(s.peer, t.writeID(s, id), a.Pairs, func(err error) { t.post(writeDone{s, id, err}) })
 		case protocol.CancelWrite:
-			t.dp.Cancel(s.peer, a.Round.Round)
+			t.dp.Cancel(s.peer, t.writeOf(s, a.Round))
 		case protocol.JobDone:
 			t.results = append(t.results, a.Result)
 		case protocol.FinishRequest:

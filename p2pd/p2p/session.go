@@ -3,17 +3,20 @@ package p2p
 import (
 	"bufio"
 	"bytes"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"net"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
 	"github.com/kvtier/kvtier/offload"
 	"github.com/kvtier/kvtier/p2pd/p2p/protocol"
 	"github.com/kvtier/kvtier/p2pd/wire"
+	"github.com/kvtier/kvtier/p2pd/zmtp"
 )
 
 // session is one peer process: the consumer requests that fetch from it
@@ -45,6 +48,8 @@ type session struct {
 
 	cons *protocol.Consumer // the consumer side: local requests fetching from the peer
 	prod *protocol.Producer // the producer side: the peer's lookups, leases and rounds
+
+	v *vstate // vLLM's dialect (vllm.go); nil on kvtier's wire
 }
 
 // ctrlConn is one authenticated control connection with its reader and
@@ -59,12 +64,18 @@ type ctrlConn struct {
 	retiredAt time.Time
 	peerDone  bool            // the peer's duplicate marker arrived: nothing more comes on it
 	raw       syscall.RawConn // the socket, for queue's direct write; nil over TLS or a pipe
-	out       struct {
+	// z is the connection's ZMTP layer on vLLM's wire (nil on kvtier's):
+	// frames are then vLLM messages, written with z. pingOut is the
+	// sequence of a PING sent and not yet answered.
+	z       *zmtp.Conn
+	pingOut atomic.Uint64
+	out     struct {
 		sync.Mutex
 		cond   *sync.Cond
 		frames [][]byte
-		bytes  int  // queued in frames
-		busy   bool // the writer is writing frames it took
+		bytes  int    // queued in frames
+		ping   uint64 // a ZMTP PING to send (vLLM's wire), 0: none
+		busy   bool   // the writer is writing frames it took
 		closed bool
 	}
 }
@@ -243,6 +254,9 @@ func (t *Tier) endConn(cc *ctrlConn) {
 	cc.out.Unlock()
 	if s := cc.s; s != nil {
 		s.old = slices.DeleteFunc(s.old, func(o *ctrlConn) bool { return o == cc })
+		if s.v != nil {
+			s.v.pipes = slices.DeleteFunc(s.v.pipes, func(o *ctrlConn) bool { return o == cc })
+		}
 		t.flushDeferred(s)
 	}
 }
@@ -296,16 +310,30 @@ func (t *Tier) writer(cc *ctrlConn) {
 	for {
 		o.Lock()
 		o.busy = false
-		for len(o.frames) == 0 && !o.closed {
+		for len(o.frames) == 0 && o.ping == 0 && !o.closed {
 			o.cond.Wait()
 		}
-		frames := o.frames
-		o.frames, o.bytes = nil, 0
+		frames, ping := o.frames, o.ping
+		o.frames, o.bytes, o.ping = nil, 0, 0
 		closed := o.closed
 		o.busy = true
 		o.Unlock()
+		if ping != 0 {
+			cc.pingOut.Store(ping)
+			if err := cc.z.Ping(vllmPingTTL, binary.BigEndian.AppendUint64(nil, ping)); err != nil {
+				cc.c.Close()
+				t.post(connClosed{cc, err})
+				return
+			}
+		}
 		for _, f := range frames {
-			if _, err := cc.c.Write(f); err != nil {
+			var err error
+			if cc.z != nil {
+				err = cc.z.WriteMessage(f)
+			} else {
+				_, err = cc.c.Write(f)
+			}
+			if err != nil {
 				cc.c.Close()
 				t.post(connClosed{cc, err})
 				return
@@ -355,6 +383,10 @@ func (t *Tier) connLost(cc *ctrlConn, err error) {
 	if s == nil || s.dead {
 		return
 	}
+	if errors.Is(err, wire.ErrMalformed) && s.v != nil { // on any of a vLLM peer's connections
+		t.protocolError(s, fmt.Sprintf("protocol error: %v", err))
+		return
+	}
 	if cc != s.conn {
 		t.closeConn(cc)
 		return
@@ -369,6 +401,10 @@ func (t *Tier) connLost(cc *ctrlConn, err error) {
 // sendNow queues m on the session's active connection. A peer that
 // lets maxQueued bytes pile up unread loses its session.
 func (t *Tier) sendNow(s *session, m wire.Msg) {
+	if s.v != nil {
+		t.vsend(s, m)
+		return
+	}
 	if s.conn != nil && !s.conn.queue(wire.Append(nil, m)) {
 		t.log.Warn("p2p: peer does not read its control connection; dropping it", "peer", s.peer, "queued_limit", maxQueued)
 		t.post(sendQueueFull{s})
@@ -428,6 +464,12 @@ func (t *Tier) handle(cc *ctrlConn, m wire.Msg) {
 	default:
 		err = t.handleRole(s, m)
 	}
+	t.roleDone(s, err)
+}
+
+// roleDone counts a handler's outcome: a protocol error disconnects at
+// once, five other errors in a row disconnect (S8.2).
+func (t *Tier) roleDone(s *session, err error) {
 	switch {
 	case err == nil:
 		s.errs = 0
@@ -500,7 +542,13 @@ func (t *Tier) kill(s *session, reason string) {
 		t.live.remove(peerID{Node: s.peer, Inc: s.peerInc})
 		t.nready.Add(-1)
 	}
-	for _, cc := range append(slices.Clone(s.old), s.conn) { // closeConn edits s.old
+	conns := append(slices.Clone(s.old), s.conn)
+	joined := s.ready // the peer is in the data plane
+	if s.v != nil {
+		conns = append(conns, s.v.pipes...)
+		joined = s.v.gotConnect
+	}
+	for _, cc := range conns { // closeConn edits s.old and s.v.pipes
 		if cc != nil {
 			t.closeConn(cc)
 		}
@@ -517,7 +565,7 @@ func (t *Tier) kill(s *session, reason string) {
 	}
 	// Consumer side: the requests fail (their lookups now answer Miss),
 	// every load fails once the peer can no longer write (S6.8).
-	s.cons.Kill(s.peer != "" && s.ready, t.env.Now())
+	s.cons.Kill(s.peer != "" && joined, t.env.Now())
 	t.applyCons(s)
 	delete(t.consOf, s.cons) // what arrives for it later carries its session
 	// Producer side: every pin fails (writes in flight only report when
@@ -548,6 +596,14 @@ func (t *Tier) timeouts(s *session, now time.Time) time.Time {
 		}
 	}
 	cfg := t.cfg
+	if s.v != nil && !s.ready { // vLLM's handshake: both connects by the deadline
+		if !now.Before(s.v.deadline) {
+			t.sendNow(s, wire.Disconnect{Code: wire.CodeTimeout, Reason: "handshake timed out"})
+			t.kill(s, "handshake timed out")
+			return time.Time{}
+		}
+		return s.v.deadline
+	}
 	if !s.ready {
 		return next // the dialling goroutine's deadlines bound the handshake
 	}

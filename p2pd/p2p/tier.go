@@ -36,6 +36,7 @@ type Tier struct {
 	hs         *handshaker
 	addr       string
 	blockBytes int
+	vllm       bool // p2p_dialect vllm (vllm.go)
 	wg         sync.WaitGroup
 	closing    chan struct{}
 
@@ -68,6 +69,7 @@ type Tier struct {
 	prods    protocol.Producers  // what the sessions' producers share
 	conss    protocol.Consumers  // and their consumers
 	consOf   map[*protocol.Consumer]*session
+	wid      uint64 // the last data-plane write id given a vLLM round (writeID)
 }
 
 type stats struct {
@@ -263,13 +265,14 @@ func New(cfg Config, node offload.Config, n Network, env offload.TierEnv) (*Tier
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	t := &Tier{cfg: cfg, node: node, env: env, log: log, net: n, blockBytes: env.Arena.SlotBytes(),
+	t := &Tier{cfg: cfg, node: node, env: env, log: log, net: n, blockBytes: env.Arena.SlotBytes(), vllm: cfg.Dialect == DialectVLLM,
 		closing: make(chan struct{}), sessions: map[*session]bool{}, byNode: map[string]*session{},
 		byAddr: map[string]*session{}, redial: map[string]*backoff{}}
 	t.prods = protocol.Producers{Log: log, Config: protocol.ProducerConfig{LookupHold: time.Duration(cfg.LookupHold),
 		PinHold: time.Duration(cfg.PinHold), BlockBytes: t.blockBytes}}
 	t.conss = protocol.Consumers{Log: log, Config: protocol.ConsumerConfig{LookupTimeout: cfg.lookupTimeout(),
-		LoadTimeout: time.Duration(cfg.LoadTimeout), AbortAckTimeout: time.Duration(cfg.AbortAckTimeout), BlockBytes: t.blockBytes}}
+		LoadTimeout: time.Duration(cfg.LoadTimeout), AbortAckTimeout: time.Duration(cfg.AbortAckTimeout), BlockBytes: t.blockBytes,
+		DoneCompletes: t.vllm}}
 	t.consOf = map[*protocol.Consumer]*session{}
 	t.self = wire.Hello{Version: wire.Version, Kind: wire.KindControl, NodeID: cfg.NodeID}
 	rand.Read(t.self.Incarnation[:])
@@ -277,6 +280,18 @@ func New(cfg Config, node offload.Config, n Network, env offload.TierEnv) (*Tier
 		var id [8]byte
 		rand.Read(id[:])
 		t.self.NodeID = "node-" + hex.EncodeToString(id[:])
+	}
+	if t.vllm && node.HashAlgo != offload.HashVLLMSHA256CBOR {
+		return nil, fmt.Errorf("%w: p2p_dialect vllm: hash_algo is %q; vLLM's peers find nothing unless it is %s (vLLM's sha256_cbor)", ErrConfig, node.HashAlgo, offload.HashVLLMSHA256CBOR)
+	}
+	if t.vllm && cfg.DataPlane == "nixl" && env.Arena.Stride() != env.Arena.SlotBytes() {
+		return nil, fmt.Errorf("%w: p2p_dialect vllm: vLLM writes slot i at base + i × block_len, and this node's %d-byte slots are %d bytes apart; use a geometry whose block is a multiple of %d bytes",
+			ErrConfig, env.Arena.SlotBytes(), env.Arena.Stride(), os.Getpagesize())
+	}
+	if t.vllm && cfg.Advertise != "" {
+		if err := vllmLocalID(cfg.Advertise); err != nil {
+			return nil, err
+		}
 	}
 	ln, err := n.Listen(cfg.Listen)
 	if err != nil {
@@ -287,14 +302,27 @@ func New(cfg Config, node offload.Config, n Network, env offload.TierEnv) (*Tier
 	if t.addr == "" {
 		t.addr = ln.Addr().String()
 	}
+	if t.vllm {
+		if err := vllmLocalID(t.addr); err != nil {
+			ln.Close()
+			return nil, err
+		}
+	}
 	switch cfg.DataPlane {
 	case "nixl":
-		t.dp, err = NewNIXLPlane(env.Arena, t.self, NIXLConfig{UCX: cfg.NIXLParams}, log)
+		t.dp, err = NewNIXLPlane(env.Arena, t.self, NIXLConfig{UCX: cfg.NIXLParams, VLLM: t.vllm}, log)
 		if err != nil {
 			ln.Close()
 			return nil, err
 		}
+	case "none":
+		t.dp = NonePlane{}
+		log.Warn("p2p: data_plane none: no blocks move; peers' fetches fail and this node fetches nothing")
 	default:
+		if f := testPlanes[cfg.DataPlane]; f != nil {
+			t.dp = f(env.Arena)
+			break
+		}
 		t.dp = NewTCPPlane(env.Arena, n, TCPPlaneConfig{Conns: cfg.DataConns, MaxIn: cfg.MaxDataConns,
 			IdleTimeout: time.Duration(cfg.DataIdleTimeout), Auth: t.authData, HandshakeTimeout: time.Duration(cfg.HandshakeTimeout), Nice: cfg.DataNice}, log)
 	}
@@ -307,7 +335,7 @@ func New(cfg Config, node offload.Config, n Network, env offload.TierEnv) (*Tier
 		t.redial[a] = &backoff{delay: redialMin}
 		t.dial(a)
 	}
-	log.Info("p2p tier listening", "addr", t.addr, "node", t.self.NodeID)
+	log.Info("p2p tier listening", "addr", t.addr, "node", t.self.NodeID, "dialect", cfg.Dialect, "data_plane", t.dp.Name())
 	return t, nil
 }
 
@@ -320,6 +348,28 @@ func (t *Tier) Health() api.Health {
 	h.OK = h.Accepting && (a.lastAt.IsZero() || time.Since(a.lastAt) > 10*time.Second)
 	return h
 }
+
+// testPlanes are data planes a test adds by name (an in-memory one).
+var testPlanes = map[string]func(*offload.Arena) DataPlane{}
+
+// vllmPingTTL is the time-to-live a keep-alive PING on vLLM's wire asks
+// of the peer: keepalive_timeout's default (vLLM's HEARTBEAT_TTL).
+const vllmPingTTL = 10 * time.Second
+
+// Checksums says whether blocks are checked with CRC32C (S7.2): not on
+// vLLM's wire, whose writes carry none.
+func (t *Tier) Checksums() bool { return !t.vllm }
+
+// Dialect is the P2P wire spoken, and DataPlane what moves blocks.
+func (t *Tier) Dialect() string {
+	if t.vllm {
+		return DialectVLLM
+	}
+	return DialectKvtier
+}
+
+// DataPlane is the data plane's name.
+func (t *Tier) DataPlane() string { return t.dp.Name() }
 
 // Authenticated says whether peers must hold the cluster token.
 func (t *Tier) Authenticated() bool { return t.cfg.ClusterToken != "" }
@@ -408,6 +458,10 @@ func (t *Tier) acceptFailed(err error, delay time.Duration) {
 // serveConn runs the acceptor's handshake of one connection under
 // handshake_timeout, then hands it to the session layer or the data plane.
 func (t *Tier) serveConn(c net.Conn) {
+	if t.vllm {
+		t.serveZMTP(c)
+		return
+	}
 	start := time.Now()
 	c.SetDeadline(start.Add(min(helloTimeout, time.Duration(t.cfg.HandshakeTimeout))))
 	p, err := wire.ReadFrame(c, nil, wire.MaxPreAuthFrame)
@@ -473,6 +527,9 @@ func (t *Tier) handshakeFailed(c net.Conn, err error) {
 // dial opens a session to addr (host:port; a DNS name resolves now). The
 // dial and the handshake together are bounded by handshake_timeout.
 func (t *Tier) dial(addr string) *session {
+	if t.vllm {
+		return t.vdial(addr)
+	}
 	s := t.newSession(true, addr)
 	t.byAddr[addr] = s
 	if r := t.redial[addr]; r != nil {

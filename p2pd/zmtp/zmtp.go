@@ -76,6 +76,7 @@ type Conn struct {
 	pongMu sync.Mutex
 	pong   []byte
 	pongAt time.Time
+	onPong func(context []byte)
 }
 
 // greeting is the 64-byte ZMTP 3.1 greeting with the NULL mechanism.
@@ -330,11 +331,23 @@ func (z *Conn) command(name string, body []byte) error {
 	case "PONG":
 		z.pongMu.Lock()
 		z.pong, z.pongAt = body, time.Now()
+		f := z.onPong
 		z.pongMu.Unlock()
+		if f != nil {
+			f(body)
+		}
 	case "ERROR":
 		return protoErr("the peer reports %q", errorReason(body))
 	}
 	return nil // SUBSCRIBE, CANCEL and others: the socket above decides
+}
+
+// OnPong has f called with each PONG's context, on the reading
+// goroutine (a heartbeat's answer, for a keep-alive above).
+func (z *Conn) OnPong(f func(context []byte)) {
+	z.pongMu.Lock()
+	z.onPong = f
+	z.pongMu.Unlock()
 }
 
 // LastPong is when the last PONG arrived and its context.

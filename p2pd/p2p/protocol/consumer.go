@@ -17,6 +17,10 @@ type ConsumerConfig struct {
 	LoadTimeout     time.Duration // a fetch without transfer_done is aborted after it
 	AbortAckTimeout time.Duration // an abort without abort_ack is quarantined after it
 	BlockBytes      int
+	// DoneCompletes makes the producer's transfer_done the whole of a
+	// round's end: the data plane reports nothing (vLLM's dialect, whose
+	// NIXL writes carry no notification and no checksum).
+	DoneCompletes bool
 }
 
 // ConsumerStats counts what every consumer of a node did.
@@ -311,7 +315,11 @@ func (c *Consumer) Load(r *Req, job *offload.Job, usable bool, now time.Time) {
 	for i, k := range job.Keys {
 		keys[i] = k
 	}
-	c.emit(ExpectBlocks{Round: l.round, Slots: slots})
+	if c.cs.Config.DoneCompletes {
+		l.data = 1
+	} else {
+		c.emit(ExpectBlocks{Round: l.round, Slots: slots})
+	}
 	c.emit(SendFrame{wire.Fetch{ReqID: r.kvID, Round: l.round, Keys: keys, Slots: slots}})
 	r.lookupOpen = false
 	clear(r.probes) // a new round asks again
@@ -575,6 +583,15 @@ func (c *Consumer) Busy() bool {
 		}
 	}
 	return false
+}
+
+// OpenRound is the round of kvID's open lookup (0: none), for a wire
+// whose lookup answers carry no round (vLLM's G2).
+func (c *Consumer) OpenRound(kvID string) uint64 {
+	if r := c.reqs[kvID]; r != nil {
+		return r.round
+	}
+	return 0
 }
 
 // Requests is how many requests fetch from the peer.

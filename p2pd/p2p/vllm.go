@@ -1,0 +1,490 @@
+package p2p
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/kvtier/kvtier/p2pd/p2p/protocol"
+	"github.com/kvtier/kvtier/p2pd/vllmwire"
+	"github.com/kvtier/kvtier/p2pd/wire"
+	"github.com/kvtier/kvtier/p2pd/zmtp"
+)
+
+// vLLM's dialect (issue 15, docs/vllm.md): the same sessions and protocol
+// machines as kvtier's wire, over vLLM's G2 P2P wire.
+//
+//   - The P2P port is a ZeroMQ ROUTER (ZMTP 3.1, NULL security): each
+//     peer's DEALER connects to it with its identity, its "host:port", and
+//     sends one msgpack message a frame. The ROUTER never sends.
+//   - This node opens one DEALER a peer, with its own "host:port" (the
+//     advertised address) as identity, and sends on it only. An unknown
+//     identity that sends connect is dialled back at that identity.
+//   - A session is keyed by the peer's identity. Both sides send connect
+//     (block_len and hash_seed must match; the data plane's region and
+//     metadata) and answer the other's with connect_ack; the session is
+//     ready once both arrived, within handshake_timeout.
+//   - Role messages go through vllmwire.ToWire and FromWire into the
+//     machines; lookup_resp carries no round, so it is given its request's
+//     open one. Completion is transfer_done alone (ConsumerConfig.
+//     DoneCompletes): vLLM's NIXL writes carry no notification and no
+//     checksum.
+//   - Keep-alive is the Liveness machine's, as ZMTP PING/PONG on the
+//     DEALER; a PING from the peer is answered on the connection it came
+//     on (zmtp.Conn does it).
+//
+// Nothing on this wire is authenticated: cluster_token and TLS do not
+// apply (Config.Validate), and status says so.
+
+// vstate is what a vLLM session has beyond a kvtier one.
+type vstate struct {
+	pipes      []*ctrlConn // the peer's DEALER connections to this node's ROUTER
+	connPipe   *ctrlConn   // the pipe whose connect the session took
+	gotConnect bool        // the peer's connect was taken (its region is in the data plane)
+	gotAck     bool        // the peer took this node's connect
+	pre        [][]byte    // session messages before the DEALER connected
+	deadline   time.Time   // the handshake's bound
+	// writes maps a round being written to its data-plane write id: vLLM's
+	// round numbers are the consumer's, per request (PD rounds are all 0),
+	// while the data plane keys writes by peer and one number.
+	writes map[protocol.RoundID]uint64
+}
+
+const (
+	// vllmMaxMsg bounds one message on vLLM's wire: a lookup or fetch of
+	// vllmwire.MaxList keys takes under 4 MiB, a connect's NIXL metadata
+	// a few KiB.
+	vllmMaxMsg = 8 << 20
+	// vllmMaxPipes bounds the connections one peer identity holds to the
+	// ROUTER (a DEALER reconnects on its own); a newer one closes the oldest.
+	vllmMaxPipes = 4
+)
+
+// vllmLocalID checks that addr can be this node's vLLM identity: a
+// host:port that peers dial back, so not an unspecified address.
+func vllmLocalID(addr string) error {
+	host, port, err := net.SplitHostPort(addr)
+	if err != nil {
+		return fmt.Errorf("%w: p2p_dialect vllm: the node's identity %q is not host:port: %v", ErrConfig, addr, err)
+	}
+	if ip, err := netip.ParseAddr(host); host == "" || (err == nil && ip.IsUnspecified()) {
+		return fmt.Errorf("%w: p2p_dialect vllm: vLLM peers dial this node back at its identity, and %q names no host; set p2p_advertise", ErrConfig, addr)
+	}
+	if n, err := strconv.Atoi(port); err != nil || n < 1 || n > 65535 {
+		return fmt.Errorf("%w: p2p_dialect vllm: the node's identity %q has no port", ErrConfig, addr)
+	}
+	return nil
+}
+
+// vllmPeerID checks a peer's ZMTP identity: its dialable host:port.
+func vllmPeerID(id []byte) (string, error) {
+	s := string(id)
+	host, port, err := net.SplitHostPort(s)
+	n, perr := strconv.Atoi(port)
+	if err != nil || host == "" || perr != nil || n < 1 || n > 65535 || !wire.PrintableID(s) {
+		return "", fmt.Errorf("%w: a vLLM peer's identity %q is not its host:port", wire.ErrMalformed, id)
+	}
+	return s, nil
+}
+
+// serveZMTP runs the ROUTER's side of an accepted connection: the ZMTP
+// handshake and the first message, both within handshake_timeout, before
+// the connection reaches the session layer.
+func (t *Tier) serveZMTP(c net.Conn) {
+	c.SetDeadline(time.Now().Add(time.Duration(t.cfg.HandshakeTimeout)))
+	z, err := zmtp.Handshake(c, zmtp.Router, nil, vllmMaxMsg)
+	var id string
+	if err == nil {
+		id, err = vllmPeerID(z.PeerIdentity())
+	}
+	var first vllmwire.Msg
+	if err == nil {
+		first, err = t.vread(z)
+	}
+	if err != nil {
+		t.handshakeFailed(c, err)
+		c.Close()
+		return
+	}
+	c.SetDeadline(time.Time{})
+	cc := newZConn(c, z)
+	cc.dialer = id
+	t.post(vpipe{cc, first})
+}
+
+func newZConn(c net.Conn, z *zmtp.Conn) *ctrlConn {
+	cc := &ctrlConn{c: c, z: z}
+	cc.out.cond = sync.NewCond(&cc.out.Mutex)
+	return cc
+}
+
+// vread reads the next message of one frame; a message of more frames is
+// dropped, as vLLM's ROUTER drops it. A payload that is not a vLLM
+// message is wire.ErrMalformed.
+func (t *Tier) vread(z *zmtp.Conn) (vllmwire.Msg, error) {
+	for {
+		parts, err := z.ReadMessage()
+		if err != nil {
+			return vllmwire.Msg{}, err
+		}
+		if len(parts) != 1 {
+			t.warnLimited("p2p: dropping a vLLM message of more than one frame", "frames", len(parts))
+			continue
+		}
+		m, err := vllmwire.Decode(parts[0])
+		if err != nil {
+			return m, fmt.Errorf("%w: %w", wire.ErrMalformed, err)
+		}
+		return m, nil
+	}
+}
+
+// vpipeReader reads a peer's DEALER connection until it ends; it closes
+// the connection (nothing is written on it but PONGs).
+func (t *Tier) vpipeReader(cc *ctrlConn) {
+	defer cc.c.Close()
+	for {
+		m, err := t.vread(cc.z)
+		if err != nil {
+			t.post(connClosed{cc, err})
+			return
+		}
+		t.post(vframe{cc, m})
+	}
+}
+
+// vdealerReader reads this node's DEALER: vLLM's ROUTER sends nothing on
+// it but heartbeats (answered inside ReadMessage), so a message is
+// dropped; its end ends the session (vLLM's EVENT_DISCONNECTED).
+func (t *Tier) vdealerReader(cc *ctrlConn) {
+	for {
+		if _, err := cc.z.ReadMessage(); err != nil {
+			t.post(connClosed{cc, err})
+			return
+		}
+	}
+}
+
+// vdial starts a vLLM session to the peer whose identity is id.
+func (t *Tier) vdial(id string) *session {
+	if s := t.byNode[id]; s != nil && !s.dead {
+		return s
+	}
+	s := t.vnewSession(true, id)
+	if r := t.redial[id]; r != nil {
+		r.at = time.Time{}
+	}
+	return s
+}
+
+// vnewSession makes the session of peer id and dials its DEALER.
+func (t *Tier) vnewSession(dialed bool, id string) *session {
+	s := t.newSession(dialed, id)
+	s.v = &vstate{deadline: t.env.Now().Add(time.Duration(t.cfg.HandshakeTimeout)), writes: map[protocol.RoundID]uint64{}}
+	s.peer, s.peerAddr = id, id
+	s.prod.Peer, s.cons.Peer = id, id
+	t.byNode[id] = s
+	if o := t.byAddr[id]; o == nil || o.dead {
+		t.byAddr[id] = s
+	}
+	t.armBy(s.v.deadline)
+	t.wg.Go(func() {
+		deadline := time.Now().Add(time.Duration(t.cfg.HandshakeTimeout))
+		ctx, cancel := context.WithDeadline(context.Background(), deadline)
+		defer cancel()
+		c, err := t.net.Dial(ctx, id)
+		var cc *ctrlConn
+		if err == nil {
+			c.SetDeadline(deadline)
+			var z *zmtp.Conn
+			if z, err = zmtp.Handshake(c, zmtp.Dealer, []byte(t.addr), vllmMaxMsg); err != nil {
+				t.handshakeFailed(c, err)
+				c.Close()
+			} else {
+				c.SetDeadline(time.Time{})
+				cc = newZConn(c, z)
+				cc.dialer = t.addr
+			}
+		}
+		t.post(vdialled{s, cc, err})
+	})
+	return s
+}
+
+// vdialled takes this node's DEALER to the session's peer: connect goes
+// first, then what waited for the connection.
+func (t *Tier) vdialled(s *session, cc *ctrlConn, err error) {
+	switch {
+	case err != nil:
+		t.kill(s, fmt.Sprintf("dialling %s: %v", s.peer, err))
+		return
+	case s.dead || t.closed:
+		cc.c.Close()
+		return
+	}
+	cc.s = s
+	s.conn = cc
+	cc.z.OnPong(func(ctx []byte) {
+		if len(ctx) == 8 && cc.pingOut.CompareAndSwap(binary.BigEndian.Uint64(ctx), 0) {
+			t.post(vpong{cc, binary.BigEndian.Uint64(ctx)})
+		}
+	})
+	t.wg.Go(func() { t.writer(cc) })
+	t.wg.Go(func() { t.vdealerReader(cc) })
+	t.vsendMsg(s, t.vconnectMsg())
+	for _, f := range s.v.pre {
+		t.vqueue(s, f)
+	}
+	s.v.pre = nil
+}
+
+// vconnectMsg is this node's connect: its identity, the data plane's
+// region (base, slots, slot bytes) and metadata, and the hash seed.
+func (t *Tier) vconnectMsg() vllmwire.Msg {
+	m := vllmwire.Msg{Type: vllmwire.TypeConnect, PeerID: t.addr, AgentMetadata: []byte{},
+		NumBlocks: uint64(t.env.Arena.Slots()), BlockLen: uint64(t.blockBytes), HashSeed: t.node.HashSeed}
+	if r, ok := t.dp.(vllmRegion); ok {
+		md, base := r.VLLMRegion()
+		m.AgentMetadata, m.BaseAddr = md, uint64(base)
+	}
+	return m
+}
+
+// vllmRegion is a data plane that vLLM peers can write into and read
+// from: its metadata and the base of its slots, num_blocks × block_len.
+type vllmRegion interface {
+	VLLMRegion() (metadata []byte, base uintptr)
+}
+
+// vllmInfo is a connect's region as a data plane's peer info (the layout
+// NIXLPlane.LocalInfo has): base, stride and slot bytes (block_len:
+// vLLM's slots are contiguous), slots, metadata.
+func vllmInfo(m vllmwire.Msg) []byte {
+	b := binary.LittleEndian.AppendUint64(nil, m.BaseAddr)
+	b = binary.LittleEndian.AppendUint64(b, m.BlockLen)
+	b = binary.LittleEndian.AppendUint64(b, m.BlockLen)
+	b = binary.LittleEndian.AppendUint32(b, uint32(m.NumBlocks))
+	return append(b, m.AgentMetadata...)
+}
+
+// vattach takes a new connection to the ROUTER and its first message: a
+// connect starts a session (and one from a peer whose session already
+// took a connect is its restart); anything else joins the session of its
+// identity, or, from a stranger, closes the connection.
+func (t *Tier) vattach(cc *ctrlConn, m vllmwire.Msg) {
+	if t.closed {
+		cc.c.Close()
+		return
+	}
+	id := cc.dialer
+	s := t.byNode[id]
+	if s != nil && m.Type == vllmwire.TypeConnect && s.v.gotConnect {
+		t.kill(s, "the peer connected again (a new process)")
+		s = nil
+	}
+	if s == nil {
+		switch {
+		case m.Type != vllmwire.TypeConnect:
+			t.warnLimited("p2p: a vLLM peer's first message is not connect; closing its connection", "peer", id, "type", m.Type)
+			cc.c.Close()
+			return
+		case len(t.sessions) >= t.cfg.MaxSessions:
+			t.rejects.add(false, wire.CodeCapacity)
+			t.warnLimited("p2p: session cap reached; refusing a vLLM peer", "peer", id, "max_sessions", t.cfg.MaxSessions)
+			cc.c.Close()
+			return
+		}
+		s = t.vnewSession(false, id)
+	}
+	cc.s = s
+	if len(s.v.pipes) >= vllmMaxPipes {
+		t.closeConn(s.v.pipes[0])
+	}
+	s.v.pipes = append(s.v.pipes, cc)
+	t.wg.Go(func() { t.vpipeReader(cc) })
+	t.vhandle(cc, m)
+}
+
+// vhandle dispatches one message from a peer's DEALER (vLLM's
+// session.py rules): a malformed message, a second connect or a role
+// message before the handshake is a protocol error; five handler errors
+// in a row disconnect; an unknown type is logged and dropped.
+func (t *Tier) vhandle(cc *ctrlConn, m vllmwire.Msg) {
+	s := cc.s
+	if s == nil || s.dead {
+		return
+	}
+	s.live.Received(t.env.Now())
+	switch m.Type {
+	case vllmwire.TypeConnect:
+		if s.v.gotConnect {
+			t.protocolError(s, "a second connect")
+			return
+		}
+		t.vconnect(s, cc, m)
+		return
+	case vllmwire.TypeConnectAck:
+		s.v.gotAck = true
+		t.vready(s)
+		return
+	case vllmwire.TypeDisconnect:
+		t.kill(s, "peer disconnected")
+		return
+	case vllmwire.TypeLookup, vllmwire.TypeLookupResp, vllmwire.TypeFetch, vllmwire.TypeTransferDone,
+		vllmwire.TypeAbortFetch, vllmwire.TypeAbortAck:
+	default:
+		t.warnLimited("p2p: a vLLM message of unknown type; dropped", "peer", s.peer, "type", m.Type)
+		return
+	}
+	if !s.ready {
+		t.protocolError(s, m.Type+" before the handshake")
+		return
+	}
+	wm, err := vllmwire.ToWire(m)
+	if err != nil {
+		t.protocolError(s, err.Error())
+		return
+	}
+	if lr, ok := wm.(wire.LookupResp); ok { // G2's carries no round: its request's open one
+		if lr.Round = s.cons.OpenRound(lr.ReqID); lr.Round == 0 {
+			s.errs = 0
+			return // late: the request fetched or finished
+		}
+		wm = lr
+	}
+	t.roleDone(s, t.handleRole(s, wm))
+}
+
+// vconnect takes the peer's connect: block_len and hash_seed must be this
+// node's, its region joins the data plane, connect_ack answers.
+func (t *Tier) vconnect(s *session, cc *ctrlConn, m vllmwire.Msg) {
+	refuse := func(code wire.Code, reason string) {
+		t.rejects.add(false, code)
+		t.protocolErrorCode(s, code, reason)
+	}
+	switch {
+	case m.BlockLen != uint64(t.blockBytes):
+		refuse(wire.CodeBlockSize, fmt.Sprintf("block_len %d, this node's is %d", m.BlockLen, t.blockBytes))
+		return
+	case m.HashSeed != t.node.HashSeed:
+		refuse(wire.CodeHashSeed, fmt.Sprintf("hash_seed %q, this node's is %q", m.HashSeed[:min(len(m.HashSeed), protocol.MaxPeerText)], t.node.HashSeed))
+		return
+	case m.NumBlocks > 1<<31:
+		refuse(wire.CodeDataPlane, fmt.Sprintf("num_blocks %d", m.NumBlocks))
+		return
+	}
+	info := vllmInfo(m)
+	if err := t.dp.AddPeer(s.peer, s.peer, info); err != nil {
+		refuse(wire.CodeDataPlane, fmt.Sprintf("data plane: %v", err))
+		return
+	}
+	s.peerInfo = info
+	s.v.gotConnect, s.v.connPipe = true, cc
+	t.vsendMsg(s, vllmwire.Msg{Type: vllmwire.TypeConnectAck, PeerID: t.addr})
+	t.vready(s)
+}
+
+// vready makes the session ready once both connects were taken.
+func (t *Tier) vready(s *session) {
+	if s.ready || !s.v.gotConnect || !s.v.gotAck {
+		return
+	}
+	s.ready = true
+	s.live.Received(t.env.Now())
+	t.live.add(peerID{Node: s.peer})
+	t.nready.Add(1)
+	t.redialed(s)
+	t.st.sessionsOpened++
+	t.log.Info("p2p: vLLM peer connected", "peer", s.peer, "dialed", s.dialed)
+	for _, m := range s.held {
+		t.sendNow(s, m)
+	}
+	s.held = nil
+}
+
+// vsend sends a machine's frame in vLLM's wire: a ping as a ZMTP PING on
+// the DEALER, a role message or disconnect as its vLLM message; what the
+// wire has no equivalent of is dropped.
+func (t *Tier) vsend(s *session, m wire.Msg) {
+	if p, ok := m.(wire.Ping); ok {
+		if cc := s.conn; cc != nil {
+			cc.pingNow(p.Seq)
+		}
+		return
+	}
+	if vm, ok := vllmwire.FromWire(m); ok {
+		t.vsendMsg(s, vm)
+	}
+}
+
+func (t *Tier) vsendMsg(s *session, m vllmwire.Msg) {
+	t.vqueue(s, vllmwire.Encode(nil, m))
+}
+
+// vqueue queues one encoded message on the DEALER, or until it connects.
+func (t *Tier) vqueue(s *session, f []byte) {
+	if s.conn == nil {
+		s.v.pre = append(s.v.pre, f)
+		return
+	}
+	if !s.conn.queue(f) {
+		t.log.Warn("p2p: vLLM peer does not read its connection; dropping it", "peer", s.peer, "queued_limit", maxQueued)
+		t.post(sendQueueFull{s})
+	}
+}
+
+// pingNow has the writer send a ZMTP PING carrying seq.
+func (cc *ctrlConn) pingNow(seq uint64) {
+	cc.out.Lock()
+	cc.out.ping = seq
+	cc.out.cond.Signal()
+	cc.out.Unlock()
+}
+
+// writeID is the data-plane number of a round's write: kvtier's rounds
+// are unique per consumer node already; vLLM's get one of this node's.
+func (t *Tier) writeID(s *session, id protocol.RoundID) uint64 {
+	if s.v == nil {
+		return id.Round
+	}
+	t.wid++
+	s.v.writes[id] = t.wid
+	return t.wid
+}
+
+// writeOf is the data-plane number of a round being written (0: none).
+func (t *Tier) writeOf(s *session, id protocol.RoundID) uint64 {
+	if s.v == nil {
+		return id.Round
+	}
+	return s.v.writes[id]
+}
+
+// NonePlane moves no blocks: p2p_dialect vllm with data_plane none, for
+// testing the control plane. Every write fails; the consumer side does
+// not fetch (Tier.OnNewRequest).
+type NonePlane struct{}
+
+// ErrNoDataPlane is a write on data_plane none.
+var ErrNoDataPlane = errors.New("p2p: data_plane none moves no blocks")
+
+func (NonePlane) Name() string                        { return "none" }
+func (NonePlane) LocalInfo() []byte                   { return nil }
+func (NonePlane) AddPeer(_, _ string, _ []byte) error { return nil }
+func (NonePlane) RemovePeer(_ string, done func())    { done() }
+func (NonePlane) Write(_ string, _ uint64, _ []SlotPair, done func(error)) {
+	done(ErrNoDataPlane)
+}
+func (NonePlane) Cancel(string, uint64) {}
+func (NonePlane) Expect(_ string, _ uint64, _ []uint32, done func(error)) {
+	done(ErrNoDataPlane)
+}
+func (NonePlane) Unexpect(_ string, _ uint64, done func()) { done() }
+func (NonePlane) Accept(c net.Conn, _ wire.Hello)          { c.Close() }
+func (NonePlane) Close() error                             { return nil }
