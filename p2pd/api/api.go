@@ -56,9 +56,16 @@ type Status struct {
 	P2P            string `json:"p2p"`
 	// P2PAuth is how peers on the P2P port are authenticated: "token",
 	// "tls", "token+tls" or "none" (anyone who reaches the port).
-	P2PAuth   string `json:"p2p_auth"`
-	P2PHealth Health `json:"p2p_health"`
-	Copies    string `json:"copies"`
+	P2PAuth string `json:"p2p_auth"`
+	// P2PDialect is the P2P wire, "kvtier" or "vllm" (vLLM's G2 P2P
+	// wire); P2PDataPlane what moves blocks ("tcp", "nixl", or "none":
+	// nothing); P2PChecksums whether each block is checked with CRC32C
+	// (not on vLLM's wire, which carries no checksum).
+	P2PDialect   string `json:"p2p_dialect"`
+	P2PDataPlane string `json:"p2p_data_plane"`
+	P2PChecksums bool   `json:"p2p_checksums"`
+	P2PHealth    Health `json:"p2p_health"`
+	Copies       string `json:"copies"`
 	// BlockBytes is one block's size, which a peer must match; BlockTokens
 	// its tokens; HashAlgo and HashSeed how its keys are computed (a peer
 	// or a router with another seed finds nothing).

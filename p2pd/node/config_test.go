@@ -36,6 +36,14 @@ func TestConfig(t *testing.T) {
 		"event_history":      func(c *Config) { c.EventHistory = 0 },
 		"kv_events_endpoint": func(c *Config) { c.KVEventsEndpoint = "127.0.0.1:5557" }, // with kvtier keys
 		"node_id":            func(c *Config) { c.NodeID = "bad\nid" },
+		"p2p_dialect":        func(c *Config) { c.Dialect = "vllm"; c.DataPlane = "none" }, // with kvtier keys
+		"cluster_token_file": func(c *Config) {
+			c.Dialect, c.DataPlane, c.HashAlgo, c.ClusterTokenFile = "vllm", "none", offload.HashVLLMSHA256CBOR, "/tmp/tok"
+		},
+		"data_plane": func(c *Config) { c.Dialect, c.HashAlgo = "vllm", offload.HashVLLMSHA256CBOR }, // tcp: vLLM has none
+		"p2p_tls_cert": func(c *Config) {
+			c.Dialect, c.DataPlane, c.HashAlgo, c.TLSCert = "vllm", "none", offload.HashVLLMSHA256CBOR, "/tmp/c"
+		},
 	} {
 		c := DefaultConfig()
 		edit(&c)

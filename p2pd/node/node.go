@@ -96,7 +96,10 @@ func Start(cfg Config, log *slog.Logger) (*Node, error) {
 		n.closeEvents()
 		return nil, err
 	}
-	if cfg.ClusterToken == "" && cfg.TLSCert == "" {
+	if cfg.Dialect == p2p.DialectVLLM {
+		log.Warn("p2p_dialect vllm: vLLM's P2P wire authenticates nobody and checksums nothing; anyone who can reach the P2P port can fetch KV blocks and, with NIXL, write into fetches — keep it on a trusted network",
+			"p2p", n.P2P.Addr(), "data_plane", n.P2P.DataPlane())
+	} else if cfg.ClusterToken == "" && cfg.TLSCert == "" {
 		log.Warn("no cluster token: the P2P port is unauthenticated; anyone who can reach it can fetch KV blocks and inject data into fetches (set cluster_token_file)",
 			"p2p", n.P2P.Addr())
 	}
@@ -343,6 +346,7 @@ func (n *Node) status(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	s.HasPendingWork, s.Poll, s.P2PAuth, s.P2PHealth = n.M.HasPendingWork(), m.Poll, n.p2pAuth(), n.P2P.Health()
+	s.P2PDialect, s.P2PDataPlane, s.P2PChecksums = n.P2P.Dialect(), n.P2P.DataPlane(), n.P2P.Checksums()
 	cfg := n.M.Config()
 	s.BlockBytes, s.BlockTokens, s.HashAlgo, s.HashSeed = n.M.BlockBytes(), cfg.Geometry.BlockTokens, cfg.HashAlgo, cfg.HashSeed
 	if n.vllm != nil {

@@ -176,15 +176,16 @@ func (t *Tier) vdial(id string) *session {
 	if s := t.byNode[id]; s != nil && !s.dead {
 		return s
 	}
-	s := t.vnewSession(true, id)
+	s := t.vnewSession(true, id, nil)
 	if r := t.redial[id]; r != nil {
 		r.at = time.Time{}
 	}
 	return s
 }
 
-// vnewSession makes the session of peer id and dials its DEALER.
-func (t *Tier) vnewSession(dialed bool, id string) *session {
+// vnewSession makes the session of peer id on dealer, this node's DEALER
+// to it, or dials one (nil).
+func (t *Tier) vnewSession(dialed bool, id string, dealer *ctrlConn) *session {
 	s := t.newSession(dialed, id)
 	s.v = &vstate{deadline: t.env.Now().Add(time.Duration(t.cfg.HandshakeTimeout)), writes: map[protocol.RoundID]uint64{}}
 	s.peer, s.peerAddr = id, id
@@ -194,6 +195,11 @@ func (t *Tier) vnewSession(dialed bool, id string) *session {
 		t.byAddr[id] = s
 	}
 	t.armBy(s.v.deadline)
+	if dealer != nil {
+		dealer.s, s.conn = s, dealer
+		t.vsendMsg(s, t.vconnectMsg())
+		return s
+	}
 	t.wg.Go(func() {
 		deadline := time.Now().Add(time.Duration(t.cfg.HandshakeTimeout))
 		ctx, cancel := context.WithDeadline(context.Background(), deadline)
@@ -284,8 +290,15 @@ func (t *Tier) vattach(cc *ctrlConn, m vllmwire.Msg) {
 	}
 	id := cc.dialer
 	s := t.byNode[id]
+	var dealer *ctrlConn
 	if s != nil && m.Type == vllmwire.TypeConnect && s.v.gotConnect {
-		t.kill(s, "the peer connected again (a new process)")
+		// The peer started a new session: the old one ends, and the new
+		// one keeps this node's DEALER, which belongs to the identity —
+		// closing it and dialling again could reach the peer's ROUTER
+		// before the old connection's end, and libzmq refuses a second
+		// connection of one identity (vLLM sets no ROUTER_HANDOVER).
+		dealer, s.conn = s.conn, nil
+		t.kill(s, "the peer connected again (a new session or process)")
 		s = nil
 	}
 	if s == nil {
@@ -300,7 +313,7 @@ func (t *Tier) vattach(cc *ctrlConn, m vllmwire.Msg) {
 			cc.c.Close()
 			return
 		}
-		s = t.vnewSession(false, id)
+		s = t.vnewSession(false, id, dealer)
 	}
 	cc.s = s
 	if len(s.v.pipes) >= vllmMaxPipes {

@@ -154,11 +154,12 @@ func TestVLLMDialectFetch(t *testing.T) {
 // vpeer plays a vLLM node by hand: its ROUTER listens at id (the node's
 // DEALER connects there), its DEALER dials the node with identity id.
 type vpeer struct {
-	t      testing.TB
-	mn     zNet
-	id     string
-	ln     net.Listener
-	dealer *zmtp.Conn // to the node's ROUTER
+	t       testing.TB
+	mn      zNet
+	id      string
+	ln      net.Listener
+	dealer  *zmtp.Conn   // to the node's ROUTER
+	dealers []*zmtp.Conn // every DEALER connection it made, closed at the end
 	// dealerGone is closed when the node closed the DEALER's connection.
 	dealerGone chan struct{}
 	in         chan vllmwire.Msg // what the node sent on its DEALER
@@ -177,8 +178,8 @@ func newVPeer(t testing.TB, mn zNet, id string) *vpeer {
 	t.Cleanup(func() {
 		close(p.resume)
 		ln.Close()
-		if p.dealer != nil {
-			p.dealer.Close()
+		for _, d := range p.dealers {
+			d.Close()
 		}
 		if p.router != nil {
 			p.router.Close()
@@ -198,6 +199,7 @@ func (p *vpeer) dial(addr string) {
 		p.t.Fatal(err)
 	}
 	p.dealer = z
+	p.dealers = append(p.dealers, z)
 	p.dealerGone = make(chan struct{})
 	go func() { // the node's ROUTER sends nothing but answers
 		defer close(p.dealerGone)
@@ -662,4 +664,44 @@ func (p *zPipe) Close() error {
 		close(p.closing)
 	})
 	return nil
+}
+
+// A peer that connects again with the same identity (a new session of
+// vLLM's, or a new process) sending connect starts a new session: the old
+// one's pins go, and the node keeps its DEALER (libzmq would refuse a
+// second connection of the identity while the first lingers) and sends
+// connect again on it.
+func TestVLLMPeerReconnects(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		mn := newZNet()
+		n := newVNode(t, mn, "none", nil)
+		keys := testKeys(4, 2)
+		n.store(t, keys)
+		p := newVPeer(t, mn, "vllm-g:7000")
+		p.handshake(n)
+		p.send(vllmwire.Msg{Type: vllmwire.TypeLookup, KVRequestID: "kv", Keys: vkeys(keys)})
+		p.expect(vllmwire.TypeLookupResp)
+		synctest.Wait()
+		if pins(n) != 2 {
+			t.Fatalf("%d pins, want 2", pins(n))
+		}
+		gone := p.dealerGone
+		p.dial(n.tier.Addr())
+		p.send(p.connectMsg(n))
+		p.expect(vllmwire.TypeConnect) // on the same DEALER connection
+		p.expect(vllmwire.TypeConnectAck)
+		<-gone // the old session's pipe
+		synctest.Wait()
+		if pins(n) != 0 || readyPeers(n) != 0 {
+			t.Fatalf("after the new connect: %d pins, %d ready sessions; want the old session gone", pins(n), readyPeers(n))
+		}
+		p.send(vllmwire.Msg{Type: vllmwire.TypeConnectAck, PeerID: p.id})
+		p.send(vllmwire.Msg{Type: vllmwire.TypeLookup, KVRequestID: "kv", Keys: vkeys(keys[:1])})
+		if r := p.expect(vllmwire.TypeLookupResp); !slices.Equal(r.Hits, []bool{true}) {
+			t.Fatalf("lookup on the new session: %+v", r)
+		}
+		if readyPeers(n) != 1 {
+			t.Fatal("the new session is not ready")
+		}
+	})
 }

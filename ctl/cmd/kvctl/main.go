@@ -50,6 +50,19 @@ commands:
 `
 
 // authText says what status's p2p_auth means.
+// wireText says which P2P wire the node speaks, what moves its blocks
+// and whether they are checksummed.
+func wireText(s api.Status) string {
+	sums := "blocks checked with CRC32C"
+	if !s.P2PChecksums {
+		sums = "no checksums"
+	}
+	if s.P2PDataPlane == "none" {
+		sums = "no blocks move"
+	}
+	return fmt.Sprintf("%s, data plane %s, %s", s.P2PDialect, s.P2PDataPlane, sums)
+}
+
 func authText(auth string) string {
 	switch auth {
 	case "none":
@@ -108,9 +121,9 @@ func run(args []string, out, errw io.Writer) error {
 		if *asJSON {
 			return printJSON(out, s)
 		}
-		fmt.Fprintf(out, "node %s (%s): %s\nrequests: %d running, %d waiting\nCPU tier: %d of %d slots used, %d pinned\npeers: %d · pending work: %v · poll goroutine: %s · copies: %s\nP2P authentication: %s\nP2P port: %s\nblocks: %d bytes, %d tokens · keys: %s, seed %q\n",
+		fmt.Fprintf(out, "node %s (%s): %s\nrequests: %d running, %d waiting\nCPU tier: %d of %d slots used, %d pinned\npeers: %d · pending work: %v · poll goroutine: %s · copies: %s\nP2P authentication: %s\nP2P wire: %s\nP2P port: %s\nblocks: %d bytes, %d tokens · keys: %s, seed %q\n",
 			s.Node, s.P2P, s.State, s.Requests.Running, s.Requests.Waiting, s.CPUTier.Used, s.CPUTier.Slots, s.CPUTier.Pinned,
-			s.Peers, s.HasPendingWork, s.Poll, s.Copies, authText(s.P2PAuth), healthText(s.P2PHealth), s.BlockBytes, s.BlockTokens, s.HashAlgo, s.HashSeed)
+			s.Peers, s.HasPendingWork, s.Poll, s.Copies, authText(s.P2PAuth), wireText(s), healthText(s.P2PHealth), s.BlockBytes, s.BlockTokens, s.HashAlgo, s.HashSeed)
 		return nil
 	case "pause":
 		mode := fs.String("mode", "wait", "wait, abort or keep")
