@@ -398,7 +398,10 @@ func (p *NIXLPlane) Cancel(peer string, round uint64) {
 	})
 }
 
-// Expect waits for the round's notification from the peer.
+// Expect waits for the round's notification from the peer. On vLLM's wire
+// none comes: the expectation keeps the loop driving progress (UCX's TCP
+// transport completes a put only while its target progresses) until the
+// round ends and Unexpect drops it.
 func (p *NIXLPlane) Expect(peer string, round uint64, slots []uint32, done func(error)) {
 	if len(slots) == 0 {
 		done(nil)

@@ -29,17 +29,18 @@ import (
 // fake, for unit tests only; over memNet the pipes order the copy before
 // the transfer_done that reports it.
 type memPlane struct {
-	arena *offload.Arena
-	name  string
-	mu    sync.Mutex
-	peers map[string]*offload.Arena
+	arena  *offload.Arena
+	name   string
+	mu     sync.Mutex
+	peers  map[string]*offload.Arena
+	expect map[roundKey]func(error)
 }
 
 var memArenas sync.Map // memPlane.name → *offload.Arena
 
 func init() {
 	testPlanes["mem"] = func(a *offload.Arena) DataPlane {
-		p := &memPlane{arena: a, name: fmt.Sprintf("mem-%p", a), peers: map[string]*offload.Arena{}}
+		p := &memPlane{arena: a, name: fmt.Sprintf("mem-%p", a), peers: map[string]*offload.Arena{}, expect: map[roundKey]func(error){}}
 		memArenas.Store(p.name, a)
 		return p
 	}
@@ -82,12 +83,27 @@ func (p *memPlane) Write(peer string, _ uint64, pairs []SlotPair, done func(erro
 }
 
 func (p *memPlane) Cancel(string, uint64) {}
-func (p *memPlane) Expect(_ string, _ uint64, _ []uint32, done func(error)) {
-	done(errors.New("mem: vLLM's wire expects no blocks"))
+
+// Expect holds the round's callback: on vLLM's wire it only reports a
+// failure (here: Unexpect's cancellation).
+func (p *memPlane) Expect(peer string, round uint64, _ []uint32, done func(error)) {
+	p.mu.Lock()
+	p.expect[roundKey{peer, round}] = done
+	p.mu.Unlock()
 }
-func (p *memPlane) Unexpect(_ string, _ uint64, done func()) { done() }
-func (p *memPlane) Accept(c net.Conn, _ wire.Hello)          { c.Close() }
-func (p *memPlane) Close() error                             { memArenas.Delete(p.name); return nil }
+
+func (p *memPlane) Unexpect(peer string, round uint64, done func()) {
+	p.mu.Lock()
+	e := p.expect[roundKey{peer, round}]
+	delete(p.expect, roundKey{peer, round})
+	p.mu.Unlock()
+	if e != nil {
+		e(ErrCanceled)
+	}
+	done()
+}
+func (p *memPlane) Accept(c net.Conn, _ wire.Hello) { c.Close() }
+func (p *memPlane) Close() error                    { memArenas.Delete(p.name); return nil }
 
 // vllmConfig is a node's config for vLLM's dialect: vLLM's keys.
 func vllmConfig(slots int) offload.Config {

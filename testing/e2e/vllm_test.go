@@ -104,6 +104,9 @@ func TestVLLMDialectOverNIXL(t *testing.T) {
 	}
 	prod, cons := start(t, vllmArgs("nixl")...), start(t, vllmArgs("nixl")...)
 	fetch(t, prod, cons, 11, "kv-vllm")
+	if t.Failed() {
+		t.Logf("producer:\n%s\nconsumer:\n%s", prod.logs(), cons.logs())
+	}
 	if st := cons.status(); st.P2PDialect != "vllm" || st.P2PDataPlane != "nixl" || st.P2PChecksums {
 		t.Errorf("status %+v", st)
 	}

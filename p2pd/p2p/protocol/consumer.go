@@ -18,8 +18,11 @@ type ConsumerConfig struct {
 	AbortAckTimeout time.Duration // an abort without abort_ack is quarantined after it
 	BlockBytes      int
 	// DoneCompletes makes the producer's transfer_done the whole of a
-	// round's end: the data plane reports nothing (vLLM's dialect, whose
-	// NIXL writes carry no notification and no checksum).
+	// round's end (vLLM's dialect, whose NIXL writes carry no notification
+	// and no checksum): the data plane's expectation of the round only
+	// keeps it progressing (a one-sided write over UCX's TCP transport
+	// needs the target to) and reports only a failure; a round that ended
+	// well releases it with Unexpect.
 	DoneCompletes bool
 }
 
@@ -316,10 +319,9 @@ func (c *Consumer) Load(r *Req, job *offload.Job, usable bool, now time.Time) {
 		keys[i] = k
 	}
 	if c.cs.Config.DoneCompletes {
-		l.data = 1
-	} else {
-		c.emit(ExpectBlocks{Round: l.round, Slots: slots})
+		l.data = 1 // the data plane reports only a failure
 	}
+	c.emit(ExpectBlocks{Round: l.round, Slots: slots})
 	c.emit(SendFrame{wire.Fetch{ReqID: r.kvID, Round: l.round, Keys: keys, Slots: slots}})
 	r.lookupOpen = false
 	clear(r.probes) // a new round asks again
@@ -370,6 +372,9 @@ func (c *Consumer) settle(l *load, now time.Time) {
 	switch {
 	case l.done == 1 && l.data == 1:
 		delete(c.loads, l.round)
+		if c.cs.Config.DoneCompletes {
+			c.emit(Unexpect{l.round}) // the data plane's expectation ends with the round
+		}
 		c.result(l, true, now)
 	case l.done == -1 || l.data == -1:
 		c.stop(l)

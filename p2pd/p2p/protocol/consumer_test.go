@@ -140,3 +140,50 @@ func TestConsumerMalformedAnswer(t *testing.T) {
 		t.Errorf("2 keys, 1 hit: %v, want ErrMalformed", err)
 	}
 }
+
+// Issue 15, vLLM's wire (DoneCompletes): a round ends with transfer_done
+// alone — ok, the load succeeds and the data plane's expectation is
+// released; failed, the load fails once the data plane let go of the
+// slots (Unexpected). A lookup_resp's round comes from OpenRound.
+func TestConsumerDoneCompletes(t *testing.T) {
+	cs, c := newCons()
+	cs.Config.DoneCompletes = true
+	t0 := time.Unix(1000, 0)
+	r := c.Add(&offload.Request{ID: "r"}, "kv")
+	r.Lookup(key(1))
+	r.Probe([]offload.Key{key(1)})
+	c.Ask(t0)
+	c.Take()
+	if c.OpenRound("kv") != r.round || c.OpenRound("other") != 0 {
+		t.Fatalf("OpenRound %d, want %d", c.OpenRound("kv"), r.round)
+	}
+	c.LookupResp(wire.LookupResp{ReqID: "kv", Round: c.OpenRound("kv"), Keys: []wire.Key{key(1)}, Hits: []bool{true}})
+	c.Take()
+	c.Load(r, &offload.Job{ID: 1, Keys: []offload.Key{key(1)}, Slots: []int32{1}}, true, t0)
+	if got := takeShow(c); !strings.Contains(got, "ExpectBlocks") || !strings.Contains(got, "send fetch") {
+		t.Fatalf("load: %s", got)
+	}
+	if c.OpenRound("kv") != 0 {
+		t.Error("a round stays open after its fetch")
+	}
+	c.TransferDone(wire.TransferDone{ReqID: "kv", Round: 1, OK: true}, t0)
+	if got := takeShow(c); !strings.Contains(got, "Unexpect") || !strings.Contains(got, "JobDone") || !strings.Contains(got, "OK:true") {
+		t.Fatalf("transfer_done ok: %s, want the expectation released and the load done", got)
+	}
+	c.Unexpected(1, t0) // the data plane's answer to that release
+	if got := takeShow(c); got != "" {
+		t.Errorf("after the release: %s", got)
+	}
+	round := hitLoad(t, c, c.Add(&offload.Request{ID: "r2"}, "kv2"), key(2), 2, t0)
+	c.TransferDone(wire.TransferDone{ReqID: "kv2", Round: round}, t0)
+	if got := takeShow(c); !strings.Contains(got, "Unexpect") || strings.Contains(got, "JobDone") {
+		t.Fatalf("transfer_done failed: %s, want the slots released first", got)
+	}
+	c.Unexpected(round, t0)
+	if got := takeShow(c); !strings.Contains(got, "JobDone") || strings.Contains(got, "OK:true") {
+		t.Fatalf("after Unexpected: %s, want the load failed", got)
+	}
+	if cs.Stats.RoundsOK != 1 || cs.Stats.RoundsFailed != 1 {
+		t.Errorf("rounds ok %d, failed %d", cs.Stats.RoundsOK, cs.Stats.RoundsFailed)
+	}
+}
