@@ -83,6 +83,12 @@ type Config struct {
 	// fails) and is for testing the control plane. vLLM's wire has no
 	// authentication and no checksums: cluster_token and TLS do not apply.
 	Dialect string `json:"p2p_dialect"`
+	// VLLMSourceCheck (vLLM's dialect) refuses a connection that claims a
+	// vLLM identity whose host is an IP address unless it comes from that
+	// address: a stranger elsewhere cannot act as a peer by naming it.
+	// Off only for peers whose connections leave from another address
+	// than their identity's (multi-homed hosts).
+	VLLMSourceCheck bool `json:"vllm_source_check"`
 }
 
 // Dialects of the P2P wire.
@@ -110,6 +116,7 @@ func DefaultConfig() Config {
 		DataIdleTimeout:   offload.Duration(5 * time.Minute),
 		DataPlane:         "tcp",
 		Dialect:           DialectKvtier,
+		VLLMSourceCheck:   true,
 	}
 }
 

@@ -2,11 +2,13 @@ package p2p
 
 import (
 	"context"
+	"crypto/sha256"
 	"encoding/binary"
 	"errors"
 	"fmt"
 	"net"
 	"net/netip"
+	"slices"
 	"strconv"
 	"sync"
 	"time"
@@ -48,15 +50,44 @@ type vstate struct {
 	connPipe   *ctrlConn   // the pipe whose connect the session took
 	gotConnect bool        // the peer's connect was taken (its region is in the data plane)
 	gotAck     bool        // the peer took this node's connect
+	sentConn   bool        // this node's connect is queued on its DEALER
 	pre        [][]byte    // session messages before the DEALER connected
+	preBytes   int         // their bytes, bounded by maxQueued
 	deadline   time.Time   // the handshake's bound
+	// asked are the lookups sent and not answered, oldest first (at most
+	// vllmMaxAsked): G2's lookup_resp names no round, so an answer is
+	// matched to the lookup of its request with the same keys.
+	asked []vlookup
 	// writes maps a round being written to its data-plane write id: vLLM's
 	// round numbers are the consumer's, per request (PD rounds are all 0),
 	// while the data plane keys writes by peer and one number.
 	writes map[protocol.RoundID]uint64
 }
 
+// vlookup is a lookup sent on vLLM's wire: its request, round, and a
+// digest of its keys.
+type vlookup struct {
+	kvID  string
+	round uint64
+	keys  [sha256.Size]byte
+}
+
+func keysDigest(ks []wire.Key) [sha256.Size]byte {
+	h := sha256.New()
+	for _, k := range ks {
+		h.Write(k[:])
+	}
+	return [sha256.Size]byte(h.Sum(nil))
+}
+
 const (
+	// vllmMaxAsked bounds a session's unanswered lookups remembered for
+	// matching answers (asked); beyond it the oldest is forgotten, and its
+	// answer, if it comes, is dropped (its keys then miss at lookup_timeout).
+	vllmMaxAsked = 1024
+	// vllmMaxBlocks bounds a peer's num_blocks: the data plane prepares a
+	// descriptor for each (4 Mi slots of 1.75 MiB are 7 TiB).
+	vllmMaxBlocks = 1 << 22
 	// vllmMaxMsg bounds one message on vLLM's wire: a lookup or fetch of
 	// vllmwire.MaxList keys takes under 4 MiB, a connect's NIXL metadata
 	// a few KiB.
@@ -93,6 +124,27 @@ func vllmPeerID(id []byte) (string, error) {
 	return s, nil
 }
 
+// vsource checks a connection's claim to a vLLM identity: never this
+// node's own (a loop of dialling itself), and, for an identity whose host
+// is an IP address, a connection from that address — a stranger elsewhere
+// cannot join or end a peer's session by naming it (vLLM's wire has no
+// other proof; vllm_source_check false turns this off for multi-homed
+// peers whose connections leave from another address).
+func (t *Tier) vsource(c net.Conn, id string) error {
+	if id == t.addr {
+		return &rejectError{Code: wire.CodeSelf, Text: fmt.Sprintf("a vLLM peer claims this node's identity %s", id)}
+	}
+	host, _, _ := net.SplitHostPort(id)
+	want, err := netip.ParseAddr(host)
+	if err != nil || !t.cfg.VLLMSourceCheck {
+		return nil // a host name: not checked (no resolution on this path)
+	}
+	if got, err := netip.ParseAddr(sourceIP(c)); err == nil && got.Unmap() != want.Unmap() {
+		return &rejectError{Code: wire.CodeAuth, Text: fmt.Sprintf("a connection from %s claims vLLM identity %s", got, id)}
+	}
+	return nil
+}
+
 // serveZMTP runs the ROUTER's side of an accepted connection: the ZMTP
 // handshake and the first message, both within handshake_timeout, before
 // the connection reaches the session layer.
@@ -102,6 +154,9 @@ func (t *Tier) serveZMTP(c net.Conn) {
 	var id string
 	if err == nil {
 		id, err = vllmPeerID(z.PeerIdentity())
+	}
+	if err == nil {
+		err = t.vsource(c, id)
 	}
 	var first vllmwire.Msg
 	if err == nil {
@@ -176,6 +231,12 @@ func (t *Tier) vdial(id string) *session {
 	if s := t.byNode[id]; s != nil && !s.dead {
 		return s
 	}
+	if id == t.addr { // this node: a session that ends at once, its requests recompute
+		s := t.newSession(true, id)
+		s.v = &vstate{writes: map[protocol.RoundID]uint64{}}
+		t.kill(s, "that is this node's own identity")
+		return s
+	}
 	s := t.vnewSession(true, id, nil)
 	if r := t.redial[id]; r != nil {
 		r.at = time.Time{}
@@ -198,6 +259,7 @@ func (t *Tier) vnewSession(dialed bool, id string, dealer *ctrlConn) *session {
 	if dealer != nil {
 		dealer.s, s.conn = s, dealer
 		t.vsendMsg(s, t.vconnectMsg())
+		s.v.sentConn = true
 		return s
 	}
 	t.wg.Go(func() {
@@ -244,10 +306,12 @@ func (t *Tier) vdialled(s *session, cc *ctrlConn, err error) {
 	t.wg.Go(func() { t.writer(cc) })
 	t.wg.Go(func() { t.vdealerReader(cc) })
 	t.vsendMsg(s, t.vconnectMsg())
-	for _, f := range s.v.pre {
+	s.v.sentConn = true
+	pre := s.v.pre
+	s.v.pre, s.v.preBytes = nil, 0
+	for _, f := range pre {
 		t.vqueue(s, f)
 	}
-	s.v.pre = nil
 }
 
 // vconnectMsg is this node's connect: its identity, the data plane's
@@ -343,6 +407,10 @@ func (t *Tier) vhandle(cc *ctrlConn, m vllmwire.Msg) {
 		t.vconnect(s, cc, m)
 		return
 	case vllmwire.TypeConnectAck:
+		if !s.v.sentConn { // it cannot have seen this node's connect
+			t.protocolError(s, "connect_ack before this node's connect")
+			return
+		}
 		s.v.gotAck = true
 		t.vready(s)
 		return
@@ -364,14 +432,33 @@ func (t *Tier) vhandle(cc *ctrlConn, m vllmwire.Msg) {
 		t.protocolError(s, err.Error())
 		return
 	}
-	if lr, ok := wm.(wire.LookupResp); ok { // G2's carries no round: its request's open one
-		if lr.Round = s.cons.OpenRound(lr.ReqID); lr.Round == 0 {
+	if lr, ok := wm.(wire.LookupResp); ok { // G2's carries no round: its lookup's
+		if lr.Round = t.vanswered(s, lr); lr.Round == 0 {
 			s.errs = 0
-			return // late: the request fetched or finished
+			return // late: its round was fetched or its request finished
 		}
 		wm = lr
 	}
 	t.roleDone(s, t.handleRole(s, wm))
+}
+
+// vanswered is the round of the lookup that lr answers — the oldest
+// unanswered lookup of its request with the same keys, forgotten now —
+// or 0 when that round is no longer the request's open one (or no such
+// lookup is remembered): a late answer, which must not count for a later
+// round whose lookup the peer has not answered.
+func (t *Tier) vanswered(s *session, lr wire.LookupResp) uint64 {
+	sum := keysDigest(lr.Keys)
+	for i, l := range s.v.asked {
+		if l.kvID == lr.ReqID && l.keys == sum {
+			s.v.asked = slices.Delete(s.v.asked, i, i+1)
+			if l.round != s.cons.OpenRound(lr.ReqID) {
+				return 0
+			}
+			return l.round
+		}
+	}
+	return 0
 }
 
 // vconnect takes the peer's connect: block_len and hash_seed must be this
@@ -388,8 +475,8 @@ func (t *Tier) vconnect(s *session, cc *ctrlConn, m vllmwire.Msg) {
 	case m.HashSeed != t.node.HashSeed:
 		refuse(wire.CodeHashSeed, fmt.Sprintf("hash_seed %q, this node's is %q", m.HashSeed[:min(len(m.HashSeed), protocol.MaxPeerText)], t.node.HashSeed))
 		return
-	case m.NumBlocks > 1<<31:
-		refuse(wire.CodeDataPlane, fmt.Sprintf("num_blocks %d", m.NumBlocks))
+	case m.NumBlocks > vllmMaxBlocks:
+		refuse(wire.CodeDataPlane, fmt.Sprintf("num_blocks %d, at most %d", m.NumBlocks, vllmMaxBlocks))
 		return
 	}
 	info := vllmInfo(m)
@@ -405,7 +492,7 @@ func (t *Tier) vconnect(s *session, cc *ctrlConn, m vllmwire.Msg) {
 
 // vready makes the session ready once both connects were taken.
 func (t *Tier) vready(s *session) {
-	if s.ready || !s.v.gotConnect || !s.v.gotAck {
+	if s.ready || !s.v.gotConnect || !s.v.gotAck || s.conn == nil {
 		return
 	}
 	s.ready = true
@@ -431,6 +518,12 @@ func (t *Tier) vsend(s *session, m wire.Msg) {
 		}
 		return
 	}
+	if l, ok := m.(wire.Lookup); ok {
+		if len(s.v.asked) == vllmMaxAsked {
+			s.v.asked = slices.Delete(s.v.asked, 0, 1)
+		}
+		s.v.asked = append(s.v.asked, vlookup{kvID: l.ReqID, round: l.Round, keys: keysDigest(l.Keys)})
+	}
 	if vm, ok := vllmwire.FromWire(m); ok {
 		t.vsendMsg(s, vm)
 	}
@@ -443,7 +536,13 @@ func (t *Tier) vsendMsg(s *session, m vllmwire.Msg) {
 // vqueue queues one encoded message on the DEALER, or until it connects.
 func (t *Tier) vqueue(s *session, f []byte) {
 	if s.conn == nil {
+		if s.v.preBytes+len(f) > maxQueued {
+			t.log.Warn("p2p: too much queued for a vLLM peer not connected yet; dropping it", "peer", s.peer, "queued_limit", maxQueued)
+			t.post(sendQueueFull{s})
+			return
+		}
 		s.v.pre = append(s.v.pre, f)
+		s.v.preBytes += len(f)
 		return
 	}
 	if !s.conn.queue(f) {

@@ -1,0 +1,282 @@
+package p2p
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"runtime"
+	"slices"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"testing/synctest"
+	"time"
+
+	"github.com/kvtier/kvtier/offload"
+	"github.com/kvtier/kvtier/p2pd/vllmwire"
+	"github.com/kvtier/kvtier/p2pd/zmtp"
+)
+
+// countLogs counts log records whose message contains sub.
+type countLogs struct {
+	sub string
+	n   *atomic.Int64
+}
+
+func (h countLogs) Enabled(context.Context, slog.Level) bool { return true }
+func (h countLogs) Handle(_ context.Context, r slog.Record) error {
+	if strings.Contains(r.Message, h.sub) {
+		h.n.Add(1)
+	}
+	return nil
+}
+func (h countLogs) WithAttrs([]slog.Attr) slog.Handler { return h }
+func (h countLogs) WithGroup(string) slog.Handler      { return h }
+
+// rawDealer connects a DEALER with identity id to addr and drains it.
+func rawDealer(t *testing.T, mn zNet, addr, id string) *zmtp.Conn {
+	t.Helper()
+	c, err := mn.Dial(context.Background(), addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	z, err := zmtp.Handshake(c, zmtp.Dealer, []byte(id), 8<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { z.Close() })
+	go func() {
+		for {
+			if _, err := z.ReadMessage(); err != nil {
+				return
+			}
+		}
+	}()
+	return z
+}
+
+// Found in review (issue 15): a connect whose identity is the node's own
+// host:port made the node dial itself, take its own connect for a
+// restart of that session, and dial itself again, forever. The identity
+// is refused (CodeSelf).
+func TestVLLMSelfIdentity(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		mn := newZNet()
+		var ended atomic.Int64
+		cfg := vllmConfig(32)
+		cfg.Logger = slog.New(countLogs{"p2p: session ended", &ended})
+		n := newNodeWith(t, mn, func(c *Config) { c.Dialect, c.DataPlane = DialectVLLM, "mem" }, cfg)
+		self := n.tier.Addr()
+		z := rawDealer(t, mn, self, self)
+		m := vllmwire.Msg{Type: vllmwire.TypeConnect, PeerID: self, AgentMetadata: []byte("md"), NumBlocks: 64,
+			BlockLen: uint64(n.m.BlockBytes()), HashSeed: offload.VLLMDefaultSeed}
+		if err := z.WriteMessage(vllmwire.Encode(nil, m)); err != nil {
+			t.Fatal(err)
+		}
+		for i := 0; i < 200000 && ended.Load() < 50; i++ {
+			runtime.Gosched()
+		}
+		if k := ended.Load(); k >= 50 {
+			t.Errorf("one connect with the node's own identity ended %d sessions and is still going (the node dials itself, forever)", k)
+		}
+		n.m.Do(func(*offload.Step) {
+			if ps := n.tier.Peers(); len(ps) != 0 {
+				t.Errorf("sessions %+v after a connect claiming the node's identity", ps)
+			}
+		})
+	})
+}
+
+// Found in review: a node whose static peers include itself (a
+// cluster-wide peer list) made a ready session with itself; kvtier's wire
+// refuses that (CodeSelf), and so does vLLM's now.
+func TestVLLMSelfStaticPeer(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		mn := newZNet()
+		n := newVNode(t, mn, "mem", func(c *Config) {
+			c.Listen = "selfnode:7000"
+			c.Peers = []string{"selfnode:7000"}
+		})
+		synctest.Wait()
+		n.m.Do(func(*offload.Step) {
+			for _, ps := range n.tier.Peers() {
+				if ps.Node == n.tier.Addr() {
+					t.Errorf("the node has a session with itself: %+v", ps)
+				}
+			}
+		})
+	})
+}
+
+// Found in review (S8.5): a peer that acknowledged the node's connect
+// before it could have seen it (the node's DEALER still dialling an
+// identity whose ROUTER does not answer) became ready, and every answer
+// to its flood of lookups piled up unbounded for the DEALER. Such an ack
+// is now a protocol error, a session is ready only with its DEALER, and
+// what waits for the DEALER is bounded by maxQueued.
+func TestVLLMAckBeforeConnect(t *testing.T) {
+	old := maxQueued
+	maxQueued = 16 << 10
+	defer func() { maxQueued = old }()
+	synctest.Test(t, func(t *testing.T) {
+		mn := newZNet()
+		n := newVNode(t, mn, "mem", nil)
+		p := newVPeer(t, mn, "vllm-q:7000") // its ROUTER never accepts: the node's dial hangs
+		p.dial(n.tier.Addr())
+		p.send(p.connectMsg(n))
+		p.send(vllmwire.Msg{Type: vllmwire.TypeConnectAck, PeerID: p.id}) // before it saw the node's connect
+		keys := vkeys(testKeys(7, 256))
+		for i := range 64 {
+			p.send(vllmwire.Msg{Type: vllmwire.TypeLookup, KVRequestID: fmt.Sprint("kv", i), RoundSeq: 1, Keys: keys})
+		}
+		synctest.Wait()
+		pre, alive, ready := 0, false, false
+		n.m.Do(func(*offload.Step) {
+			for s := range n.tier.sessions {
+				alive, ready = !s.dead, s.ready
+				for _, f := range s.v.pre {
+					pre += len(f)
+				}
+			}
+		})
+		if alive || pre > maxQueued {
+			t.Errorf("the session (alive %v, ready %v) buffers %d bytes for a DEALER not connected yet (maxQueued %d); want it ended at the early ack", alive, ready, pre, maxQueued)
+		}
+	})
+}
+
+// vlinked is a node consuming from a hand-played vLLM producer, handshake done.
+func vlinked(t *testing.T, mn zNet, id string) (*node, *vpeer, *offload.Request, *offload.Arena) {
+	n := newVNode(t, mn, "mem", func(c *Config) { c.LookupTimeout = offload.Duration(time.Hour) })
+	p := newVPeer(t, mn, id)
+	req := &offload.Request{ID: "r", TransferParams: source("kv", p.id)}
+	n.m.Do(func(s *offload.Step) { s.OnNewRequest(req) })
+	p.accept(n.tier.Addr())
+	c := p.expect(vllmwire.TypeConnect)
+	p.dial(n.tier.Addr())
+	p.send(p.connectMsg(n))
+	p.send(vllmwire.Msg{Type: vllmwire.TypeConnectAck, PeerID: p.id})
+	p.expect(vllmwire.TypeConnectAck)
+	synctest.Wait()
+	a, _ := memArenas.Load(string(c.AgentMetadata))
+	return n, p, req, a.(*offload.Arena)
+}
+
+// Found in review: G2's lookup_resp has no round, and was given the
+// request's current one. A lookup of round N answered after the request
+// fetched round N and asked again in round N+1 was taken for round N+1's
+// answer: the node fetched in round N+1 a key the peer never confirmed for
+// it (vLLM's producer fails such a fetch), and the request failed. Answers
+// are now matched to their lookup by request and keys, and a late one is
+// dropped.
+func TestVLLMLateLookupResp(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		mn := newZNet()
+		n, p, req, _ := vlinked(t, mn, "vllm-r:7000")
+		keys := testKeys(8, 2)
+		a, b := keys[0], keys[1]
+		n.m.Do(func(s *offload.Step) { s.Lookup(a, req) })
+		l1 := p.expect(vllmwire.TypeLookup)
+		n.m.Do(func(s *offload.Step) { s.Lookup(b, req) })
+		l1b := p.expect(vllmwire.TypeLookup) // the same round; the peer holds it (B is being stored there)
+		if l1b.RoundSeq != l1.RoundSeq {
+			t.Fatalf("rounds %d, %d", l1.RoundSeq, l1b.RoundSeq)
+		}
+		p.send(vllmwire.Msg{Type: vllmwire.TypeLookupResp, KVRequestID: "kv", Keys: l1.Keys, Hits: []bool{true}})
+		synctest.Wait()
+		n.m.Do(func(s *offload.Step) { s.Lookup(a, req) }) // A promoted: fetch round N
+		f1 := p.expect(vllmwire.TypeFetch)
+		n.m.Do(func(s *offload.Step) { s.Lookup(b, req) }) // B asked again: round N+1
+		l2 := p.expect(vllmwire.TypeLookup)
+		if l2.RoundSeq == f1.RoundSeq {
+			t.Fatalf("no new round")
+		}
+		// The peer's answer to round N's held lookup (B hit, pinned in round N) arrives now.
+		p.send(vllmwire.Msg{Type: vllmwire.TypeLookupResp, KVRequestID: "kv", Keys: l1b.Keys, Hits: []bool{true}})
+		synctest.Wait()
+		var got offload.Result
+		n.m.Do(func(s *offload.Step) { got = s.Lookup(b, req) })
+		synctest.Wait()
+		t.Logf("lookup of B after the late answer: %v", got)
+		select {
+		case m := <-p.in:
+			if m.Type == vllmwire.TypeFetch && m.RoundSeq == l2.RoundSeq {
+				t.Errorf("round %d's late answer was taken for round %d: the node fetched %d key(s) in round %d before the peer answered that round's lookup",
+					l1b.RoundSeq, l2.RoundSeq, len(m.Keys), l2.RoundSeq)
+				// vLLM's producer: round N+1 pinned nothing for B (its lookup
+				// answers miss), so the fetch is unmatched demand and fails.
+				p.send(vllmwire.Msg{Type: vllmwire.TypeLookupResp, KVRequestID: "kv", Keys: l2.Keys, Hits: []bool{false}})
+				p.send(vllmwire.Msg{Type: vllmwire.TypeTransferDone, KVRequestID: "kv", RoundSeq: m.RoundSeq, Success: false})
+				synctest.Wait()
+				n.m.Do(func(s *offload.Step) {
+					t.Logf("then: B %v, the next key %v (the request failed)", s.Lookup(b, req), s.Lookup(testKeys(8, 3)[2], req))
+				})
+			} else {
+				t.Logf("node sent %s round %d", m.Type, m.RoundSeq)
+			}
+		default:
+		}
+		n.m.Do(func(s *offload.Step) { s.OnRequestFinished(req) })
+	})
+}
+
+// Found in review: any connection naming a live session's identity joined
+// it, so a stranger on another host could complete a load with a forged
+// transfer_done (the node's bytes never written), or end the session. An
+// identity whose host is an IP address must now connect from it (real
+// sockets: the check needs source addresses); a refused claim is counted
+// as an auth reject, and vllm_source_check false lets it through.
+func TestVLLMSourceCheck(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.2:0") // the claimed identity's ROUTER
+	if err != nil {
+		t.Skipf("no 127.0.0.2 here: %v", err)
+	}
+	defer ln.Close()
+	id := ln.Addr().String()
+	for _, check := range []bool{true, false} {
+		n := newVNode(t, nil, "none", func(c *Config) { c.VLLMSourceCheck = check })
+		c, err := net.DialTimeout("tcp", n.tier.Addr(), 5*time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		c.SetDeadline(time.Now().Add(10 * time.Second))
+		z, err := zmtp.Handshake(c, zmtp.Dealer, []byte(id), 8<<20) // from 127.0.0.1
+		if err != nil {
+			t.Fatal(err)
+		}
+		m := vllmwire.Msg{Type: vllmwire.TypeConnect, PeerID: id, AgentMetadata: []byte{}, NumBlocks: 1,
+			BlockLen: uint64(n.m.BlockBytes()), HashSeed: offload.VLLMDefaultSeed}
+		z.WriteMessage(vllmwire.Encode(nil, m))
+		if check {
+			if _, err := z.ReadMessage(); err == nil || errors.Is(err, os.ErrDeadlineExceeded) {
+				t.Fatalf("a claim of 127.0.0.2's identity from 127.0.0.1: %v, want the connection closed", err)
+			}
+			if got := rejectsOf(n, "auth"); got != 1 {
+				t.Errorf("auth rejects %v, want 1", got)
+			}
+		} else { // taken: the node dials the identity back
+			ln.(*net.TCPListener).SetDeadline(time.Now().Add(10 * time.Second))
+			back, err := ln.Accept()
+			if err != nil {
+				t.Fatalf("with vllm_source_check false the node did not dial the identity back: %v", err)
+			}
+			back.Close()
+		}
+		c.Close()
+	}
+}
+
+func rejectsOf(n *node, code string) float64 {
+	var v float64
+	n.m.Do(func(*offload.Step) {
+		for _, st := range n.tier.Stats() {
+			if st.Name == "kv_offload_p2p_handshake_rejects_total" && slices.Contains(st.Labels, code) {
+				v += st.Value
+			}
+		}
+	})
+	return v
+}
