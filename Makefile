@@ -5,7 +5,7 @@ PKGS    := github.com/kvtier/kvtier/...
 OFFLINE := GOFLAGS=-mod=vendor GOPROXY=off
 GO      ?= go
 
-.PHONY: all build test fmt-check vet race allocs nocgo vendor vendor-check bench kvbench demo clean generate check-cuda gpu-bundle fuzz test-nixl build-nixl kvbench-nixl nixl-check
+.PHONY: all build test fmt-check vet race allocs nocgo vendor vendor-check bench kvbench demo clean generate check-cuda gpu-bundle fuzz test-nixl build-nixl kvbench-nixl nixl-check test-vllm
 
 # The CUDA kernels: compiled by nvcc into a committed fatbin (sm_80, sm_90
 # and compute_80 PTX) that cudakv embeds; copy.cu.sha256 records the source
@@ -99,6 +99,12 @@ bench:
 ## kvbench: the daemon benchmarks (B1-B4, M1) with two p2pd processes; writes kvbench.json
 kvbench: build
 	$(OFFLINE) $(GO) run github.com/kvtier/kvtier/testing/cmd/kvbench -bin bin -json kvbench.json
+
+## test-vllm: run vLLM's own P2P session, protocol and ZeroMQ modules (G2 wire), imported unchanged from VLLM_SRC (a vLLM checkout), against a live p2pd in vLLM's dialect (testing/vllmharness; docs/vllm.md); needs python3-zmq, python3-msgpack, python3-cbor2
+test-vllm:
+	@test -n "$(VLLM_SRC)" || { echo "test-vllm needs VLLM_SRC=<a vLLM checkout> (the directory holding vllm/)"; exit 1; }
+	@test -d "$(VLLM_SRC)/vllm/v1/kv_offload/tiering/p2p/session" || { echo "VLLM_SRC=$(VLLM_SRC) has no vllm/v1/kv_offload/tiering/p2p/session: not a vLLM checkout with the P2P tier"; exit 1; }
+	VLLM_SRC=$(abspath $(VLLM_SRC)) $(OFFLINE) $(GO) test -count=1 -v -run '^TestVLLMHarness$$' github.com/kvtier/kvtier/testing/e2e
 
 ## fuzz: run every fuzz target for FUZZTIME (default 10s) each
 FUZZTIME ?= 10s

@@ -30,10 +30,6 @@ func (t *Tier) OnNewRequest(req *offload.Request) offload.Level {
 	if !ok || t.closed {
 		return offload.ChunkLevel
 	}
-	if _, none := t.dp.(NonePlane); none {
-		t.warnLimited("p2p: data_plane none: not fetching for a request that names a remote_kv_source", "request", req.ID)
-		return offload.ChunkLevel
-	}
 	kvID, addr := src.KVRequestID, src.Addr
 	s := t.byAddr[addr]
 	if s == nil || s.dead {
@@ -76,7 +72,8 @@ func (t *Tier) SubmitLoad(job *offload.Job) {
 	}
 	c := cr.Consumer()
 	s := t.consOf[c]
-	c.Load(cr, job, s != nil && !s.dead && s.ready, t.env.Now())
+	_, none := t.dp.(NonePlane) // data_plane none: nothing can arrive
+	c.Load(cr, job, s != nil && !s.dead && s.ready && !none, t.env.Now())
 	if s == nil {
 		for _, a := range c.Take() {
 			if d, ok := a.(protocol.JobDone); ok {

@@ -317,7 +317,7 @@ func New(cfg Config, node offload.Config, n Network, env offload.TierEnv) (*Tier
 		}
 	case "none":
 		t.dp = NonePlane{}
-		log.Warn("p2p: data_plane none: no blocks move; peers' fetches fail and this node fetches nothing")
+		log.Warn("p2p: data_plane none: no blocks move; peers' fetches fail, and this node's loads from peers fail unsent")
 	default:
 		if f := testPlanes[cfg.DataPlane]; f != nil {
 			t.dp = f(env.Arena)

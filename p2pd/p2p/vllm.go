@@ -579,8 +579,8 @@ func (t *Tier) writeOf(s *session, id protocol.RoundID) uint64 {
 }
 
 // NonePlane moves no blocks: p2p_dialect vllm with data_plane none, for
-// testing the control plane. Every write fails; the consumer side does
-// not fetch (Tier.OnNewRequest).
+// testing the control plane. Every write fails; the consumer side looks
+// up, and its loads fail at once, unsent (Tier.SubmitLoad).
 type NonePlane struct{}
 
 // ErrNoDataPlane is a write on data_plane none.

@@ -114,3 +114,79 @@ func TestVLLMDialectOverNIXL(t *testing.T) {
 		t.Errorf("%v CRC errors on a wire without checksums", v)
 	}
 }
+
+// Issue 15, outside CI: `make test-vllm VLLM_SRC=<a vLLM checkout>` runs
+// vLLM's own P2P session, protocol and ZeroMQ control modules (G2),
+// imported unchanged from the checkout by testing/vllmharness/harness.py,
+// against a live p2pd in vLLM's dialect (data_plane none). vLLM as the
+// consumer: handshake, lookup answered key by key, a load failing
+// cleanly (no data plane), the terminal fetch releasing the node's pins
+// (checked here). vLLM as the producer: the node's lookups served through
+// vLLM's ServerRole and a fake ParentManager, every store job and served
+// request ended once the node's request finished.
+func TestVLLMHarness(t *testing.T) {
+	src := os.Getenv("VLLM_SRC")
+	if src == "" {
+		t.Skip("VLLM_SRC (a vLLM checkout) is not set: make test-vllm VLLM_SRC=… runs this")
+	}
+	py := "/usr/bin/python3"
+	if err := exec.Command(py, "-c", "import zmq, msgpack, cbor2").Run(); err != nil {
+		t.Fatal("the harness needs python3-zmq, python3-msgpack and python3-cbor2 (Debian packages)")
+	}
+	n := start(t, vllmArgs("none")...)
+	if _, out, code := n.submit("--tokens-seed", "7", "--tokens", "200"); code != 0 {
+		t.Fatalf("submit: %d %s", code, out)
+	}
+	st := n.status()
+	js, _ := json.Marshal([][]uint32{p2pdnode.SeededTokens(7, 200), p2pdnode.SeededTokens(8, 200)})
+	h := exec.Command(py, "../vllmharness/harness.py", src, n.p2p, strconv.Itoa(st.BlockBytes), st.HashSeed, string(js))
+	stdin, _ := h.StdinPipe()
+	stdout, _ := h.StdoutPipe()
+	h.Stderr = os.Stderr
+	if err := h.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { h.Process.Kill(); h.Wait() })
+	lines := bufio.NewScanner(stdout)
+	var steps []string
+	for lines.Scan() {
+		line := lines.Text()
+		steps = append(steps, line)
+		switch {
+		case line == "pinned 4":
+			if got := n.status().CPUTier.Pinned; got != 4 {
+				t.Errorf("%d CPU slots pinned after vLLM's lookup of 4 blocks, want 4", got)
+			}
+		case line == "finished":
+			deadline := time.Now().Add(10 * time.Second)
+			for n.status().CPUTier.Pinned != 0 {
+				if time.Now().After(deadline) {
+					t.Fatal("vLLM's finish_request released no pins")
+				}
+				time.Sleep(10 * time.Millisecond)
+			}
+		case strings.HasPrefix(line, "serve "):
+			r, out, code := n.submit("--tokens-seed", "8", "--tokens", "200", "--remote-kv-source", strings.TrimPrefix(line, "serve "), "--kv-request-id", "kv-9")
+			if code != 0 || r.Sources.Computed != 12 {
+				t.Errorf("the node's request from vLLM: %d %s; want 12 blocks recomputed (data_plane none)", code, out)
+			}
+		default:
+			continue
+		}
+		stdin.Write([]byte("go on\n"))
+	}
+	err := h.Wait()
+	t.Logf("the harness's steps: %q", steps)
+	want := []string{"handshake", "lookup 12", "load failed", "pinned 4", "finished", "serve", "served", "ok"}
+	if err != nil || len(steps) != len(want) {
+		t.Fatalf("the harness: %v; steps %q\nnode log:\n%s", err, steps, n.logs())
+	}
+	for i, w := range want {
+		if !strings.HasPrefix(steps[i], w) {
+			t.Errorf("step %d: %q, want %q", i, steps[i], w)
+		}
+	}
+	if !strings.HasPrefix(steps[6], "served 6 ") {
+		t.Errorf("%q: want vLLM's ServerRole to have pinned the 6 blocks it holds", steps[6])
+	}
+}
