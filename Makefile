@@ -100,11 +100,12 @@ bench:
 kvbench: build
 	$(OFFLINE) $(GO) run github.com/kvtier/kvtier/testing/cmd/kvbench -bin bin -json kvbench.json
 
-## test-vllm: run vLLM's own P2P session, protocol and ZeroMQ modules (G2 wire), imported unchanged from VLLM_SRC (a vLLM checkout), against a live p2pd in vLLM's dialect (testing/vllmharness; docs/vllm.md); needs python3-zmq, python3-msgpack, python3-cbor2
-test-vllm:
+## test-vllm: run vLLM's own P2P session, protocol and ZeroMQ modules (G2 wire), imported unchanged from VLLM_SRC (a vLLM checkout), against live p2pd nodes in vLLM's dialect (testing/vllmharness; docs/vllm.md); with NIXL_PREFIX also vLLM's NIXL transport, moving blocks both ways; needs python3-zmq, python3-msgpack, python3-cbor2 (and python3-numpy with NIXL)
+VLLM_NIXL := $(filter command line environment,$(origin NIXL_PREFIX))
+test-vllm: $(if $(VLLM_NIXL),nixl-check)
 	@test -n "$(VLLM_SRC)" || { echo "test-vllm needs VLLM_SRC=<a vLLM checkout> (the directory holding vllm/)"; exit 1; }
 	@test -d "$(VLLM_SRC)/vllm/v1/kv_offload/tiering/p2p/session" || { echo "VLLM_SRC=$(VLLM_SRC) has no vllm/v1/kv_offload/tiering/p2p/session: not a vLLM checkout with the P2P tier"; exit 1; }
-	VLLM_SRC=$(abspath $(VLLM_SRC)) $(OFFLINE) $(GO) test -count=1 -v -run '^TestVLLMHarness$$' github.com/kvtier/kvtier/testing/e2e
+	VLLM_SRC=$(abspath $(VLLM_SRC)) $(if $(VLLM_NIXL),NIXL_PREFIX=$(abspath $(NIXL_PREFIX)) $(NIXL_ENV)) $(OFFLINE) $(GO) test -count=1 -v $(if $(VLLM_NIXL),-tags nixl) -run '^TestVLLMHarness$$' github.com/kvtier/kvtier/testing/e2e
 
 ## fuzz: run every fuzz target for FUZZTIME (default 10s) each
 FUZZTIME ?= 10s

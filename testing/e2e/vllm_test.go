@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
@@ -118,12 +119,16 @@ func TestVLLMDialectOverNIXL(t *testing.T) {
 // Issue 15, outside CI: `make test-vllm VLLM_SRC=<a vLLM checkout>` runs
 // vLLM's own P2P session, protocol and ZeroMQ control modules (G2),
 // imported unchanged from the checkout by testing/vllmharness/harness.py,
-// against a live p2pd in vLLM's dialect (data_plane none). vLLM as the
-// consumer: handshake, lookup answered key by key, a load failing
-// cleanly (no data plane), the terminal fetch releasing the node's pins
-// (checked here). vLLM as the producer: the node's lookups served through
-// vLLM's ServerRole and a fake ParentManager, every store job and served
-// request ended once the node's request finished.
+// against live p2pd nodes in vLLM's dialect. vLLM as the consumer:
+// handshake, lookup answered key by key, a load, the terminal fetch
+// releasing the node's pins (checked here). vLLM as the producer: a
+// node's lookups served by vLLM's ServerRole and a fake ParentManager,
+// every store job and served request ended when the node's request
+// finished. In a NIXL build with NIXL_PREFIX (make test-vllm … NIXL_PREFIX=…)
+// blocks move through vLLM's NixlTransport both ways: vLLM fetches the
+// producer's 12 blocks, a second node fetches them from vLLM, and its KV
+// digest is the producer's; otherwise (data_plane none) the loads fail
+// cleanly.
 func TestVLLMHarness(t *testing.T) {
 	src := os.Getenv("VLLM_SRC")
 	if src == "" {
@@ -133,13 +138,23 @@ func TestVLLMHarness(t *testing.T) {
 	if err := exec.Command(py, "-c", "import zmq, msgpack, cbor2").Run(); err != nil {
 		t.Fatal("the harness needs python3-zmq, python3-msgpack and python3-cbor2 (Debian packages)")
 	}
-	n := start(t, vllmArgs("none")...)
-	if _, out, code := n.submit("--tokens-seed", "7", "--tokens", "200"); code != 0 {
+	mode, env := "none", os.Environ()
+	if slices.Contains(planeArgs, "nixl") {
+		mode, env = "nixl", nixlPythonEnv(t)
+	}
+	prod := start(t, vllmArgs(mode)...)
+	cons := prod
+	if mode == "nixl" {
+		cons = start(t, vllmArgs(mode)...)
+	}
+	want7, out, code := prod.submit("--tokens-seed", "7", "--tokens", "200")
+	if code != 0 {
 		t.Fatalf("submit: %d %s", code, out)
 	}
-	st := n.status()
+	st := prod.status()
 	js, _ := json.Marshal([][]uint32{p2pdnode.SeededTokens(7, 200), p2pdnode.SeededTokens(8, 200)})
-	h := exec.Command(py, "../vllmharness/harness.py", src, n.p2p, strconv.Itoa(st.BlockBytes), st.HashSeed, string(js))
+	h := exec.Command(py, "../vllmharness/harness.py", src, mode, prod.p2p, strconv.Itoa(st.BlockBytes), st.HashSeed, string(js))
+	h.Env = env
 	stdin, _ := h.StdinPipe()
 	stdout, _ := h.StdoutPipe()
 	h.Stderr = os.Stderr
@@ -150,43 +165,80 @@ func TestVLLMHarness(t *testing.T) {
 	lines := bufio.NewScanner(stdout)
 	var steps []string
 	for lines.Scan() {
-		line := lines.Text()
+		line, ok := strings.CutPrefix(lines.Text(), "step ")
+		if !ok {
+			continue // UCX logs to stdout
+		}
 		steps = append(steps, line)
 		switch {
 		case line == "pinned 4":
-			if got := n.status().CPUTier.Pinned; got != 4 {
+			if got := prod.status().CPUTier.Pinned; got != 4 {
 				t.Errorf("%d CPU slots pinned after vLLM's lookup of 4 blocks, want 4", got)
 			}
 		case line == "finished":
 			deadline := time.Now().Add(10 * time.Second)
-			for n.status().CPUTier.Pinned != 0 {
+			for prod.status().CPUTier.Pinned != 0 {
 				if time.Now().After(deadline) {
 					t.Fatal("vLLM's finish_request released no pins")
 				}
 				time.Sleep(10 * time.Millisecond)
 			}
 		case strings.HasPrefix(line, "serve "):
-			r, out, code := n.submit("--tokens-seed", "8", "--tokens", "200", "--remote-kv-source", strings.TrimPrefix(line, "serve "), "--kv-request-id", "kv-9")
-			if code != 0 || r.Sources.Computed != 12 {
-				t.Errorf("the node's request from vLLM: %d %s; want 12 blocks recomputed (data_plane none)", code, out)
+			from := strings.TrimPrefix(line, "serve ")
+			if mode == "nixl" { // the blocks vLLM fetched, from vLLM
+				r, out, code := cons.submit("--tokens-seed", "7", "--tokens", "200", "--remote-kv-source", from, "--kv-request-id", "kv-9")
+				if code != 0 || r.Sources.Peer != 12 || r.KVDigest != want7.KVDigest {
+					t.Errorf("the second node's request from vLLM: %d %s; want 12 blocks from the peer and digest %s", code, out, want7.KVDigest)
+				}
+			} else {
+				r, out, code := cons.submit("--tokens-seed", "8", "--tokens", "200", "--remote-kv-source", from, "--kv-request-id", "kv-9")
+				if code != 0 || r.Sources.Computed != 12 {
+					t.Errorf("the node's request from vLLM: %d %s; want 12 blocks recomputed (data_plane none)", code, out)
+				}
 			}
+			continue
 		default:
 			continue
 		}
 		stdin.Write([]byte("go on\n"))
 	}
 	err := h.Wait()
-	t.Logf("the harness's steps: %q", steps)
-	want := []string{"handshake", "lookup 12", "load failed", "pinned 4", "finished", "serve", "served", "ok"}
+	t.Logf("the harness's steps (%s): %q", mode, steps)
+	load, served := "load failed", "served 6 "
+	if mode == "nixl" {
+		load, served = "load ok 12", "served 12 "
+	}
+	want := []string{"handshake", "lookup 12", load, "pinned 4", "finished", "serve", served, "ok"}
 	if err != nil || len(steps) != len(want) {
-		t.Fatalf("the harness: %v; steps %q\nnode log:\n%s", err, steps, n.logs())
+		t.Fatalf("the harness: %v; steps %q\nnode log:\n%s", err, steps, prod.logs())
 	}
 	for i, w := range want {
 		if !strings.HasPrefix(steps[i], w) {
 			t.Errorf("step %d: %q, want %q", i, steps[i], w)
 		}
 	}
-	if !strings.HasPrefix(steps[6], "served 6 ") {
-		t.Errorf("%q: want vLLM's ServerRole to have pinned the 6 blocks it holds", steps[6])
+}
+
+// nixlPythonEnv is the environment in which NIXL's Python bindings of the
+// NIXL_PREFIX install load (vLLM's NixlTransport imports them).
+func nixlPythonEnv(t *testing.T) []string {
+	prefix := os.Getenv("NIXL_PREFIX")
+	if prefix == "" {
+		t.Fatal("a NIXL build runs the harness over NIXL: set NIXL_PREFIX (make test-vllm VLLM_SRC=… NIXL_PREFIX=…)")
 	}
+	lib := filepath.Join(prefix, "lib", "x86_64-linux-gnu")
+	if _, err := os.Stat(lib); err != nil {
+		lib = filepath.Join(prefix, "lib")
+	}
+	site, _ := filepath.Glob(filepath.Join(prefix, "lib", "python3*", "site-packages"))
+	if len(site) == 0 {
+		t.Fatalf("no NIXL Python bindings under %s/lib/python3*/site-packages (NIXL builds them with pybind11-dev installed: docs/nixl.md)", prefix)
+	}
+	env := append(os.Environ(), "PYTHONPATH="+site[0], "LD_LIBRARY_PATH="+lib, "NIXL_PLUGIN_DIR="+filepath.Join(lib, "plugins"))
+	cmd := exec.Command("/usr/bin/python3", "-c", "import numpy, nixl_cu12")
+	cmd.Env = env
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("NIXL's Python bindings do not load (they need Debian's python3-numpy): %v\n%s", err, out)
+	}
+	return env
 }

@@ -3,14 +3,17 @@
 # node in vLLM's dialect (issue 15). Written here; vLLM's code is only
 # imported from VLLM_SRC, never copied into this repository.
 #
-# Usage: harness.py VLLM_SRC NODE BLOCK_LEN SEED PROMPTS_JSON
+# Usage: harness.py VLLM_SRC DATA NODE BLOCK_LEN SEED PROMPTS_JSON
 #   VLLM_SRC     a vLLM checkout (the directory holding vllm/)
-#   NODE         the node's P2P identity, host:port (p2p_dialect vllm,
-#                data_plane none)
-#   BLOCK_LEN    the node's block_bytes; SEED its hash seed
-#   PROMPTS_JSON two prompts (token id lists, block size 16): the node
-#                holds the first's blocks; this side holds the first 6
-#                blocks of the second, which the node then asks for
+#   DATA         none: the nodes run data_plane none, this side moves no
+#                bytes; nixl: vLLM's NixlTransport (data/nixl.py, from
+#                VLLM_SRC) over NIXL's Python bindings, the nodes run
+#                data_plane nixl, and blocks move both ways
+#   NODE         the P2P identity (host:port) of a node in vLLM's dialect
+#                holding the first prompt's blocks; after "serve ID" a node
+#                (this one, or another) fetches from this side
+#   BLOCK_LEN    the nodes' block_bytes; SEED their hash seed
+#   PROMPTS_JSON two prompts (token id lists, block size 16)
 #
 # vLLM's package __init__ files import the whole engine (torch, …), so the
 # harness builds a package tree in a temporary directory: vLLM's modules
@@ -22,9 +25,10 @@
 # ZmqTransport and the P2PSession and serves the peer's lookups through a
 # fake ParentManager.
 #
-# It prints a line per step; at "pinned 4" and at "serve ID" it waits for a
-# line on stdin (the test checks the node, or makes the node fetch). Any
-# surprise raises.
+# It prints a line per step ("step …"; NIXL's UCX logs to stdout too); at
+# "step pinned 4" and "step finished" it waits for a line on stdin (the
+# test checks the node's pins); after "step serve ID" it waits for a node
+# to fetch from it. Any surprise raises.
 import atexit
 import hashlib
 import json
@@ -35,7 +39,9 @@ import sys
 import tempfile
 import time
 
-src, node, block_len, seed, prompts = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], json.loads(sys.argv[5])
+src, mode, node = sys.argv[1], sys.argv[2], sys.argv[3]
+block_len, seed, prompts = int(sys.argv[4]), sys.argv[5], json.loads(sys.argv[6])
+assert mode in ("none", "nixl"), mode
 P2P = "vllm/v1/kv_offload/tiering/p2p"
 VLLM_MODULES = ["session/protocol.py", "session/client.py", "session/server.py", "session/session.py",
                 "session/__init__.py", "control/base.py", "control/zmq.py", "control/__init__.py", "data/base.py"]
@@ -76,6 +82,17 @@ class ReqContext:
     "vllm/v1/kv_offload/tiering/p2p/__init__.py": "",
     "vllm/v1/kv_offload/tiering/p2p/data/__init__.py": "from .base import DataTransport, PollResult\n",
     "msgspec/__init__.py": "from . import msgpack\n",
+    "vllm/distributed/__init__.py": "",
+    # vLLM's nixl_utils imports NIXL's Python package lazily; a NIXL built
+    # from source names it nixl_cu12.
+    "vllm/distributed/nixl_utils.py": '''try:
+    from nixl_cu12._api import nixl_agent as NixlWrapper, nixl_agent_config
+except ImportError:
+    try:
+        from nixl._api import nixl_agent as NixlWrapper, nixl_agent_config
+    except ImportError:
+        NixlWrapper = nixl_agent_config = None
+''',
     "msgspec/msgpack.py": '''import msgpack as _msgpack
 
 
@@ -92,7 +109,7 @@ def decode(data):
 def build_tree():
     root = tempfile.mkdtemp(prefix="kvtier-vllm-harness-")
     atexit.register(shutil.rmtree, root, True)
-    for rel in VLLM_MODULES:
+    for rel in VLLM_MODULES + (["data/nixl.py"] if mode == "nixl" else []):
         real = os.path.join(src, P2P, rel)
         if not os.path.isfile(real):
             sys.exit("harness: %s is not in VLLM_SRC=%s (want a vLLM checkout with the P2P tier, G2 wire)" % (os.path.join(P2P, rel), src))
@@ -159,16 +176,16 @@ class Ids(list):
 
 
 class Job:
-    def __init__(self, job_id, keys):
-        self.job_id, self.keys, self.block_ids = job_id, list(keys), Ids(range(len(keys)))
+    def __init__(self, job_id, keys, slots):
+        self.job_id, self.keys, self.block_ids = job_id, list(keys), Ids(slots)
 
 
 class Parent:
     """vLLM's ParentManager as the tiering manager offers it to the P2P
-    tier: the blocks this side holds are the first `have` keys."""
+    tier: this side holds the blocks `have` maps to their slots."""
 
     def __init__(self, have):
-        self.have, self.jobs, self.next, self.open, self.hits, self.finished = set(have), {}, 100, set(), 0, 0
+        self.have, self.jobs, self.next, self.open, self.hits, self.finished = dict(have), {}, 100, set(), 0, 0
 
     def on_new_request(self, ctx):
         self.open.add(ctx.req_id)
@@ -178,7 +195,7 @@ class Parent:
         return LookupResult.HIT if bytes(key) in self.have else LookupResult.MISS
 
     def create_store_job(self, keys, ctx):
-        job = Job(self.next, keys)
+        job = Job(self.next, keys, [self.have[bytes(k)] for k in keys])
         self.jobs[job.job_id], self.next = job, self.next + 1
         self.hits += len(job.keys)
         return job
@@ -211,12 +228,20 @@ s.close()
 local_id = "127.0.0.1:%d" % port
 transport = ZmqTransport(local_id, "127.0.0.1", port)
 nblocks = 64
-data = NoData(memoryview(bytearray(nblocks * block_len)).cast("B", (nblocks, block_len)))
-parent = Parent(theirs[:6])
+region = bytearray(nblocks * block_len)
+view = memoryview(region).cast("B", (nblocks, block_len))
+if mode == "nixl":
+    from vllm.v1.kv_offload.tiering.p2p.data.nixl import NixlTransport  # noqa: E402
+    data = NixlTransport(local_id, view)
+    assert data.available, "vLLM's NixlTransport found no NIXL (PYTHONPATH, LD_LIBRARY_PATH)"
+    parent = Parent({k: i for i, k in enumerate(keys)})  # the blocks fetched below, in slots 0…
+else:
+    data = NoData(view)
+    parent = Parent({k: i for i, k in enumerate(theirs[:6])})
 sessions, loads, stores = {}, [], []
 
 
-def step():
+def poll_once():
     for conn in transport.poll():  # a peer we did not dial: vLLM's manager makes its session
         sess = sessions.get(conn.peer_id)
         if sess is None:
@@ -232,12 +257,16 @@ def step():
         assert sess.alive, "the session with the node died"
 
 
+def step_line(*words):
+    print("step", *words, flush=True)
+
+
 def until(cond, what, timeout=10.0):
     deadline = time.monotonic() + timeout
     while not cond():
         if time.monotonic() > deadline:
             raise AssertionError("timed out waiting for " + what)
-        step()
+        poll_once()
         time.sleep(0.001)
 
 
@@ -245,7 +274,7 @@ def until(cond, what, timeout=10.0):
 sess = P2PSession(node, local_id, data, block_len, seed, conn=transport.connect(node))
 sessions[node] = sess
 until(lambda: sess.ready, "the handshake")
-print("handshake", flush=True)
+step_line("handshake")
 
 unknown = bytes(36)
 probe = keys + [unknown]
@@ -254,31 +283,37 @@ for k in probe:
 until(lambda: all(sess.register_lookup("kv-1", k) is not None for k in probe), "the lookup's answer")
 hits = [sess.register_lookup("kv-1", k) for k in probe]
 assert hits == [True] * len(keys) + [False], hits
-print("lookup", sum(hits), flush=True)
+step_line("lookup", sum(hits))
 
 sess.request_blocks(1, "kv-1", keys, list(range(len(keys))))
 until(lambda: any(r.job_id == 1 for r in loads), "the load's end")
-assert [r.success for r in loads if r.job_id == 1] == [False], loads  # data_plane none on the node
-print("load failed", flush=True)
+if mode == "nixl":  # the node WRITEs into this side's slots 0…
+    assert [r.success for r in loads if r.job_id == 1] == [True], loads
+    zero = bytes(block_len)
+    assert all(region[i * block_len:(i + 1) * block_len] != zero for i in range(len(keys))), "a successful load left a slot empty"
+    step_line("load ok", len(keys))
+else:
+    assert [r.success for r in loads if r.job_id == 1] == [False], loads  # data_plane none on the node
+    step_line("load failed")
 
 for k in keys[:4]:
     sess.register_lookup("kv-2", k)
 until(lambda: all(sess.register_lookup("kv-2", k) for k in keys[:4]), "the second lookup")
-print("pinned", 4, flush=True)
+step_line("pinned", 4)
 sys.stdin.readline()
 sess.finish_request("kv-2")  # a terminal empty fetch: the node's pins go
-print("finished", flush=True)
+step_line("finished")
 sys.stdin.readline()
 
-# vLLM's producer side: the node fetches from this side (its loads fail
-# at once on data_plane none), through the same session.
-print("serve", local_id, flush=True)
+# vLLM's producer side: a node fetches from this side — with nixl, the
+# blocks just fetched, through vLLM's WRITEs; with none its loads fail
+# unsent.
+step_line("serve", local_id)
 until(lambda: parent.hits > 0, "the node's lookup", timeout=20)
 until(lambda: parent.finished > 0 and not parent.open and len(stores) >= len(parent.jobs),
       "the node's request to end (on_request_finished, every store job ended)", timeout=20)
-print("served", parent.hits, "released", len(stores), flush=True)
-sys.stdin.readline()
+step_line("served", parent.hits, "released", len(stores))
 
 res = sess.close()
 transport.close()
-print("ok", flush=True)
+step_line("ok")
