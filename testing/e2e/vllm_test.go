@@ -39,7 +39,9 @@ func (n *node) status() api.Status {
 // answer: handshake, heartbeats answered, lookup hits in wire order, a
 // fetch failing on data_plane none, abort, pins released by the terminal
 // fetch (checked here), an unknown type dropped, a reconnect with the
-// same identity, a mismatched block_len refused.
+// same identity; the node fetching from the peer (vLLM's keys and round on
+// its lookup, its load failing unsent on none, the terminal fetch at its
+// end); a mismatched block_len refused.
 func TestVLLMPeerOverLibzmq(t *testing.T) {
 	py := "/usr/bin/python3"
 	if err := exec.Command(py, "-c", "import zmq, msgpack, cbor2").Run(); err != nil {
@@ -56,7 +58,7 @@ func TestVLLMPeerOverLibzmq(t *testing.T) {
 	if out, _ := n.kvctl("status"); !strings.Contains(out, "P2P wire: vllm, data plane none, no blocks move") {
 		t.Errorf("kvctl status does not name the wire:\n%s", out)
 	}
-	toks, _ := json.Marshal(p2pdnode.SeededTokens(7, 200))
+	toks, _ := json.Marshal([][]uint32{p2pdnode.SeededTokens(7, 200), p2pdnode.SeededTokens(8, 200)})
 	peer := exec.Command(py, "testdata/vllm_peer.py", n.p2p, strconv.Itoa(st.BlockBytes), string(toks))
 	stdin, _ := peer.StdinPipe()
 	stdout, _ := peer.StdoutPipe()
@@ -69,23 +71,33 @@ func TestVLLMPeerOverLibzmq(t *testing.T) {
 	var steps []string
 	for lines.Scan() {
 		steps = append(steps, lines.Text())
-		if lines.Text() != "pinned 4" {
+		if from, ok := strings.CutPrefix(lines.Text(), "serve "); ok {
+			steps[len(steps)-1] = "serve"
+			if r, out, code := n.submit("--tokens-seed", "8", "--tokens", "200", "--remote-kv-source", from, "--kv-request-id", "kv-9"); code != 0 || r.Sources.Computed != 12 {
+				t.Errorf("the node's request from the peer: %d %s; want 12 blocks recomputed (data_plane none)", code, out)
+			}
 			continue
 		}
-		if got := n.status().CPUTier.Pinned; got != 4 {
-			t.Errorf("%d CPU slots pinned after the peer's lookup of 4 blocks, want 4", got)
+		switch lines.Text() {
+		case "pinned 4":
+			if got := n.status().CPUTier.Pinned; got != 4 {
+				t.Errorf("%d CPU slots pinned after the peer's lookup of 4 blocks, want 4", got)
+			}
+		case "terminal":
+			deadline := time.Now().Add(10 * time.Second)
+			for n.status().CPUTier.Pinned != 0 {
+				if time.Now().After(deadline) {
+					t.Fatalf("the terminal fetch released no pins: %d pinned", n.status().CPUTier.Pinned)
+				}
+				time.Sleep(10 * time.Millisecond)
+			}
+		default:
+			continue
 		}
 		stdin.Write([]byte("go on\n"))
-		deadline := time.Now().Add(10 * time.Second)
-		for n.status().CPUTier.Pinned != 0 {
-			if time.Now().After(deadline) {
-				t.Fatal("the terminal fetch released no pins")
-			}
-			time.Sleep(10 * time.Millisecond)
-		}
 	}
 	err := peer.Wait()
-	want := []string{"handshake", "heartbeats", "lookup 12", "fetch failed", "abort", "pinned 4", "terminal", "unknown type", "reconnect", "refused", "ok"}
+	want := []string{"handshake", "heartbeats", "lookup 12", "fetch failed", "abort", "pinned 4", "terminal", "unknown type", "reconnect", "serve", "terminal from the node", "refused", "ok"}
 	if err != nil || !slices.Equal(steps, want) {
 		t.Fatalf("the vLLM peer: %v; steps %q, want %q\nnode log:\n%s", err, steps, want, n.logs())
 	}

@@ -5,11 +5,13 @@
 # encodes them), and vLLM's sha256_cbor block keys through python3-cbor2
 # and hashlib, plus the 4-byte KV cache group index.
 #
-# Usage: vllm_peer.py NODE BLOCK_LEN TOKENS_JSON
+# Usage: vllm_peer.py NODE BLOCK_LEN PROMPTS_JSON
 # It plays a consumer against the kvtier node at NODE (p2p_dialect vllm,
-# data_plane none, holding the prompt TOKENS_JSON's blocks) and prints a
-# line per step; at "pinned N" it waits for a line on stdin (the test
-# checks the node's pins) before the terminal fetch. Any surprise raises.
+# data_plane none, holding the first prompt's blocks), then a
+# producer the node looks blocks up on, and prints a line per step; at
+# "pinned N" and "terminal" it waits for a line on stdin (the test checks
+# the node's pins); at "serve ID" the test makes the node fetch a request
+# from ID. Any surprise raises.
 import json
 import hashlib
 import sys
@@ -18,7 +20,7 @@ import cbor2
 import msgpack
 import zmq
 
-node, block_len, toks = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+node, block_len, (toks, toks2) = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
 HB = 100  # ms: libzmq drops a connection whose PINGs go unanswered for 4 of these
 ctx = zmq.Context()
 
@@ -78,10 +80,15 @@ def h(o):
     return hashlib.sha256(cbor2.dumps(o, canonical=True)).digest()
 
 
-parent, keys = h("vllm-none-hash"), []
-for i in range(len(toks) // 16):
-    parent = h((parent, tuple(toks[i * 16:(i + 1) * 16]), None))
-    keys.append(parent + (0).to_bytes(4, "big"))
+def block_keys(toks):
+    parent, out = h("vllm-none-hash"), []
+    for i in range(len(toks) // 16):
+        parent = h((parent, tuple(toks[i * 16:(i + 1) * 16]), None))
+        out.append(parent + (0).to_bytes(4, "big"))
+    return out
+
+
+keys, keys2 = block_keys(toks), block_keys(toks2)
 
 # Handshake: both sides send connect and acknowledge the other's.
 p = Peer()
@@ -125,6 +132,7 @@ print("pinned", 4, flush=True)
 sys.stdin.readline()
 p.send(type="fetch", kv_request_id="kv-3", keys=[], block_indexes=[], round_seq=1)
 print("terminal", flush=True)
+sys.stdin.readline()  # the test saw the pins go
 
 # An unknown type is dropped; the session goes on.
 p.send(type="from_a_later_version", x=1)
@@ -145,6 +153,26 @@ p.send(type="connect_ack", peer_id=p.id)
 p.send(type="lookup", kv_request_id="kv-5", keys=keys[:2], round_seq=0)
 assert p.expect("lookup_resp")["hits"] == [True, True]
 print("reconnect", flush=True)
+
+# The node fetching from this peer (a request of the second prompt naming
+# it, which the test submits at "serve"): its lookup carries 36-byte keys and a round, this
+# peer's lookup_resp none; on data_plane none its load fails unsent, and
+# finishing the request sends the terminal empty fetch of that round.
+print("serve", p.id, flush=True)
+l = p.expect("lookup")
+assert l["kv_request_id"] == "kv-9" and all(len(k) == 36 and k[32:] == bytes(4) for k in l["keys"]), l
+assert l["keys"][0] == keys2[0], "the node's first key is not vLLM's sha256_cbor block hash of the prompt"
+p.send(type="lookup_resp", kv_request_id="kv-9", keys=l["keys"], hits=[True] * len(l["keys"]))
+while True:  # more lookups of the same round until the node's load fails
+    m = p.recv()
+    if m["type"] == "lookup":
+        assert m["round_seq"] == l["round_seq"], m
+        p.send(type="lookup_resp", kv_request_id="kv-9", keys=m["keys"], hits=[False] * len(m["keys"]))
+        continue
+    assert m["type"] == "fetch" and m["keys"] == [] and m["block_indexes"] == [], m
+    assert m["kv_request_id"] == "kv-9" and m["round_seq"] == l["round_seq"], m
+    break
+print("terminal from the node", flush=True)
 
 # A peer with another block_len is refused: its connection closes.
 q = Peer()
