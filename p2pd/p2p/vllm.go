@@ -33,16 +33,18 @@ import (
 //     metadata) and answer the other's with connect_ack; the session is
 //     ready once both arrived, within handshake_timeout.
 //   - Role messages go through vllmwire.ToWire and FromWire into the
-//     machines; lookup_resp carries no round, so it is given its request's
-//     open one. Completion is transfer_done alone (ConsumerConfig.
-//     DoneCompletes): vLLM's NIXL writes carry no notification and no
-//     checksum.
+//     machines; lookup_resp carries no round, so it is matched to its
+//     lookup by request and keys (vanswered), and dropped when that round
+//     is no longer open. Completion is transfer_done alone
+//     (ConsumerConfig.DoneCompletes): vLLM's NIXL writes carry no
+//     notification and no checksum.
 //   - Keep-alive is the Liveness machine's, as ZMTP PING/PONG on the
 //     DEALER; a PING from the peer is answered on the connection it came
 //     on (zmtp.Conn does it).
 //
 // Nothing on this wire is authenticated: cluster_token and TLS do not
-// apply (Config.Validate), and status says so.
+// apply (Config.Validate), and status says so. An identity whose host is
+// an IP address must connect from it (vsource).
 
 // vstate is what a vLLM session has beyond a kvtier one.
 type vstate struct {
