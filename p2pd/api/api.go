@@ -18,6 +18,11 @@ type Request struct {
 	Tokens         int            `json:"tokens,omitempty"`
 	TransferParams map[string]any `json:"kv_transfer_params,omitempty"`
 	Digest         string         `json:"kv_digest,omitempty"`
+	// FetchOnly loads what the tiers and peers hold of the prompt's
+	// prefix and computes nothing: what a cache node does to take a
+	// prefix from a vLLM instance (its own engine's stand-in KV must not
+	// be served as a model's). The rest is reported as missed.
+	FetchOnly bool `json:"fetch_only,omitempty"`
 }
 
 // Result answers POST /v0/requests once the request's prefill is done.
@@ -35,6 +40,8 @@ type Sources struct {
 	Disk     int `json:"disk"`
 	Peer     int `json:"peer"`
 	Computed int `json:"computed"`
+	// Missed are blocks a fetch_only request found nowhere (not computed).
+	Missed int `json:"missed,omitempty"`
 }
 
 // Status answers GET /v0/status.

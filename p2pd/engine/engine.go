@@ -60,6 +60,10 @@ type Request struct {
 	// Digest says how the answer's kv_digest is computed (DigestSHA256
 	// when empty); see the Digest constants.
 	Digest string
+	// FetchOnly loads the prefix the tiers hold and computes nothing
+	// (api.Request.FetchOnly): the rest is missed, not stored, and the
+	// digest covers the loaded blocks.
+	FetchOnly bool
 }
 
 // kv_digest kinds. The digest is computed after the prefill (elapsed_ms

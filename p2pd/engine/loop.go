@@ -474,6 +474,12 @@ func (e *Engine) copied(j *job, err error) {
 			e.fail(j, err)
 			return
 		}
+		if j.r.FetchOnly {
+			j.src.Missed = len(j.keys) - j.hits
+			j.phase = phaseStoring
+			e.answer(j)
+			return
+		}
 		for i := j.hits; i < len(j.keys); i++ {
 			if err := e.x.Compute(j.gpu[i], j.keys[i]); err != nil {
 				e.fail(j, err)
@@ -530,6 +536,9 @@ func (e *Engine) answer(j *job) {
 		return
 	}
 	gpu := slices.Clone(j.gpu)
+	if j.r.FetchOnly {
+		gpu = gpu[:j.hits] // the rest holds nothing of this prompt
+	}
 	done := make(chan struct{})
 	j.digest = done
 	e.wg.Go(func() {

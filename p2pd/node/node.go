@@ -463,6 +463,8 @@ type requestBody struct {
 	TransferParams transferParams `json:"kv_transfer_params"`
 	// Digest is how kv_digest is computed: sha256 (default), crc32c, none.
 	Digest string `json:"kv_digest"`
+	// FetchOnly computes nothing: api.Request.FetchOnly.
+	FetchOnly bool `json:"fetch_only"`
 }
 
 // Limits of POST /v0/requests (S8.3). A body costs at most what a valid
@@ -657,7 +659,7 @@ func (n *Node) request(w http.ResponseWriter, r *http.Request) {
 		fail(w, 400, "%v", err)
 		return
 	}
-	res, err := n.Eng.Submit(r.Context(), engine.Request{ID: b.RequestID, Tokens: tokens, TransferParams: b.TransferParams.m, Digest: b.Digest})
+	res, err := n.Eng.Submit(r.Context(), engine.Request{ID: b.RequestID, Tokens: tokens, TransferParams: b.TransferParams.m, Digest: b.Digest, FetchOnly: b.FetchOnly})
 	switch {
 	case err == nil:
 		n.sources.observe(res.Sources, res.Blocks)

@@ -480,3 +480,34 @@ func TestSecondSignal(t *testing.T) {
 	}
 	<-done
 }
+
+// Issue 15: a fetch_only request (kvctl submit --fetch-only) loads what
+// its peer holds of the prompt and computes nothing — how a cache node
+// takes a prefix from a vLLM instance without storing its own engine's
+// stand-in KV. The fetched blocks stay in the CPU tier (a later request
+// finds them there); a prompt nobody holds is missed, and nothing of it is
+// stored.
+func TestFetchOnly(t *testing.T) {
+	prod, cons := start(t), start(t)
+	want, out, code := prod.submit("--tokens-seed", "21", "--tokens", "200")
+	if code != 0 {
+		t.Fatalf("producer: %d %s", code, out)
+	}
+	got, out, code := cons.submit("--tokens-seed", "21", "--tokens", "200", "--remote-kv-source", prod.p2p, "--kv-request-id", "kv-f", "--fetch-only")
+	if code != 0 || got.Sources.Peer != 12 || got.Sources.Computed != 0 || got.Sources.Missed != 0 || got.KVDigest != want.KVDigest {
+		t.Fatalf("fetch_only from the producer: %d %s; want 12 blocks from the peer, none computed, the producer's digest", code, out)
+	}
+	if again, out, _ := cons.submit("--tokens-seed", "21", "--tokens", "200"); again.Sources.CPU != 12 {
+		t.Errorf("the fetched blocks are not in the consumer's CPU tier: %s", out)
+	}
+	none, out, code := cons.submit("--tokens-seed", "22", "--tokens", "200", "--remote-kv-source", prod.p2p, "--kv-request-id", "kv-g", "--fetch-only")
+	if code != 0 || none.Sources.Missed != 12 || none.Sources.Computed != 0 {
+		t.Fatalf("fetch_only of a prompt nobody holds: %d %s; want 12 missed, none computed", code, out)
+	}
+	if text, _ := cons.kvctl("submit", "--tokens-seed", "22", "--tokens", "200", "--fetch-only"); !strings.Contains(text, "missed 12") {
+		t.Errorf("kvctl's line does not say what was missed: %s", text)
+	}
+	if later, out, _ := cons.submit("--tokens-seed", "22", "--tokens", "200"); later.Sources.Computed != 12 {
+		t.Errorf("a fetch_only request stored blocks it did not fetch: %s", out)
+	}
+}

@@ -38,7 +38,7 @@ commands:
   reset-cache
   scrub                                    verify every CPU block against its checksum
   submit (--tokens-seed S --tokens N | --tokens-file F)
-         [--remote-kv-source host:port --kv-request-id ID] [--request-id ID]
+         [--remote-kv-source host:port --kv-request-id ID] [--request-id ID] [--fetch-only]
          [--digest sha256|crc32c|none] [--json]
   metrics                                  Prometheus text
   peers [--json]
@@ -211,6 +211,7 @@ func run(args []string, out, errw io.Writer) error {
 		kvID := fs.String("kv-request-id", "", "the request id both peers use")
 		id := fs.String("request-id", "", "this node's request id (default: generated)")
 		digest := fs.String("digest", "", "kv_digest: sha256 (default), crc32c (cheaper) or none")
+		fetchOnly := fs.Bool("fetch-only", false, "load what tiers and peers hold of the prefix, compute nothing (a cache node taking KV from a vLLM instance)")
 		if err := fs.Parse(rest); err != nil {
 			return usageError{err.Error()}
 		}
@@ -226,12 +227,17 @@ func run(args []string, out, errw io.Writer) error {
 		if *digest != "" {
 			body.Digest = *digest
 		}
+		body.FetchOnly = *fetchOnly
 		if *src != "" {
 			host, port, err := net.SplitHostPort(*src)
 			if err != nil || *kvID == "" {
 				return usageError{"--remote-kv-source wants host:port, together with --kv-request-id"}
 			}
-			body.TransferParams = map[string]any{"remote_kv_source": map[string]any{"kv_request_id": *kvID, "remote_host": host, "remote_port": port}}
+			portN, err := strconv.Atoi(port)
+			if err != nil {
+				return usageError{"--remote-kv-source wants host:port with a numeric port"}
+			}
+			body.TransferParams = map[string]any{"remote_kv_source": map[string]any{"kv_request_id": *kvID, "remote_host": host, "remote_port": portN}} // an integer, as vLLM reads it
 		}
 		var res api.Result
 		var raw string
@@ -243,8 +249,12 @@ func run(args []string, out, errw io.Writer) error {
 			return nil
 		}
 		json.Unmarshal([]byte(raw), &res)
-		fmt.Fprintf(out, "%s: %d blocks (cpu %d, disk %d, peer %d, computed %d) in %.1f ms\nkv_digest %s\n", res.RequestID, res.Blocks,
-			res.Sources.CPU, res.Sources.Disk, res.Sources.Peer, res.Sources.Computed, res.ElapsedMS, res.KVDigest)
+		missed := ""
+		if res.Sources.Missed > 0 {
+			missed = fmt.Sprintf(", missed %d", res.Sources.Missed)
+		}
+		fmt.Fprintf(out, "%s: %d blocks (cpu %d, disk %d, peer %d, computed %d%s) in %.1f ms\nkv_digest %s\n", res.RequestID, res.Blocks,
+			res.Sources.CPU, res.Sources.Disk, res.Sources.Peer, res.Sources.Computed, missed, res.ElapsedMS, res.KVDigest)
 		return nil
 	case "metrics":
 		if err := fs.Parse(rest); err != nil {
