@@ -94,6 +94,8 @@ func (c *Config) Validate() error {
 		return fmt.Errorf("%w: p2p_dialect: vllm: vLLM's peers look blocks up by vLLM's keys: set hash_algo %s (and vLLM's --prefix-caching-hash-algo sha256_cbor)", offload.ErrConfig, offload.HashVLLMSHA256CBOR)
 	case c.Dialect == p2p.DialectVLLM && c.ClusterTokenFile != "":
 		return fmt.Errorf("%w: cluster_token_file: vLLM's P2P wire has no authentication; p2p_dialect vllm cannot require a token", offload.ErrConfig)
+	case c.HashAlgo == offload.HashVLLMSHA256CBOR && c.HashSeed == offload.DefaultHashSeed:
+		return fmt.Errorf("%w: hash_seed: %q is kvtier's default, which no vLLM uses: give vLLM's (%s, unless its PYTHONHASHSEED is set: then that value)", offload.ErrConfig, c.HashSeed, offload.VLLMDefaultSeed)
 	case c.EventHistory < 1 || c.EventHistory > 1<<20:
 		return fmt.Errorf("%w: event_history: %d is not in [1, 1048576]", offload.ErrConfig, c.EventHistory)
 	case c.ShutdownGrace < 0:

@@ -44,6 +44,9 @@ func TestConfig(t *testing.T) {
 		"p2p_tls_cert": func(c *Config) {
 			c.Dialect, c.DataPlane, c.HashAlgo, c.TLSCert = "vllm", "none", offload.HashVLLMSHA256CBOR, "/tmp/c"
 		},
+		"hash_seed":     func(c *Config) { c.HashAlgo = offload.HashVLLMSHA256CBOR }, // kvtier's default seed with vLLM's keys
+		"p2p_listen":    func(c *Config) { c.Dialect, c.DataPlane, c.Listen = "vllm", "none", "0.0.0.0:5710" },
+		"p2p_advertise": func(c *Config) { c.Dialect, c.DataPlane, c.Advertise = "vllm", "none", "[::]:5710" },
 	} {
 		c := DefaultConfig()
 		edit(&c)

@@ -13,6 +13,8 @@ package p2p
 import (
 	"errors"
 	"fmt"
+	"net"
+	"net/netip"
 	"time"
 
 	"github.com/kvtier/kvtier/offload"
@@ -185,6 +187,15 @@ func (c *Config) validateVLLM() error {
 		return fmt.Errorf("%w: cluster_token: vLLM's P2P wire has no authentication; p2p_dialect vllm cannot require a token", ErrConfig)
 	case c.TLSCert != "" || c.TLSKey != "" || c.TLSCA != "":
 		return fmt.Errorf("%w: p2p_tls_cert: vLLM's P2P wire is plain ZeroMQ; p2p_dialect vllm cannot use TLS", ErrConfig)
+	case c.Advertise != "":
+		return vllmLocalID("p2p_advertise", c.Advertise)
+	}
+	// The identity is the listener's address: it needs a host (its port
+	// may be 0, the listener's choice).
+	if host, _, err := net.SplitHostPort(c.Listen); err == nil {
+		if ip, perr := netip.ParseAddr(host); host == "" || (perr == nil && ip.IsUnspecified()) {
+			return fmt.Errorf("%w: p2p_listen: %q names no host vLLM peers can dial back (a node's identity on vLLM's wire is its host:port): set p2p_advertise (-p2p-advertise) to this node's routable host:port, e.g. 10.0.0.5:5710", ErrConfig, c.Listen)
+		}
 	}
 	return nil
 }

@@ -288,11 +288,6 @@ func New(cfg Config, node offload.Config, n Network, env offload.TierEnv) (*Tier
 		return nil, fmt.Errorf("%w: p2p_dialect vllm: vLLM writes slot i at base + i × block_len, and this node's %d-byte slots are %d bytes apart; use a geometry whose block is a multiple of %d bytes",
 			ErrConfig, env.Arena.SlotBytes(), env.Arena.Stride(), os.Getpagesize())
 	}
-	if t.vllm && cfg.Advertise != "" {
-		if err := vllmLocalID(cfg.Advertise); err != nil {
-			return nil, err
-		}
-	}
 	ln, err := n.Listen(cfg.Listen)
 	if err != nil {
 		return nil, fmt.Errorf("p2p: listening on %s: %w", cfg.Listen, err)
@@ -303,7 +298,7 @@ func New(cfg Config, node offload.Config, n Network, env offload.TierEnv) (*Tier
 		t.addr = ln.Addr().String()
 	}
 	if t.vllm {
-		if err := vllmLocalID(t.addr); err != nil {
+		if err := vllmLocalID("p2p_listen", t.addr); err != nil { // Validate checked the host; a port 0 is the listener's
 			ln.Close()
 			return nil, err
 		}

@@ -99,18 +99,19 @@ const (
 	vllmMaxPipes = 4
 )
 
-// vllmLocalID checks that addr can be this node's vLLM identity: a
-// host:port that peers dial back, so not an unspecified address.
-func vllmLocalID(addr string) error {
+// vllmLocalID checks that addr (the value of key) can be this node's
+// vLLM identity: a host:port that peers dial back, so not an unspecified
+// address.
+func vllmLocalID(key, addr string) error {
 	host, port, err := net.SplitHostPort(addr)
 	if err != nil {
-		return fmt.Errorf("%w: p2p_dialect vllm: the node's identity %q is not host:port: %v", ErrConfig, addr, err)
+		return fmt.Errorf("%w: %s: %q is not host:port, which a node's identity on vLLM's wire is: %v", ErrConfig, key, addr, err)
 	}
 	if ip, err := netip.ParseAddr(host); host == "" || (err == nil && ip.IsUnspecified()) {
-		return fmt.Errorf("%w: p2p_dialect vllm: vLLM peers dial this node back at its identity, and %q names no host; set p2p_advertise", ErrConfig, addr)
+		return fmt.Errorf("%w: %s: %q names no host vLLM peers can dial back: give this node's routable host:port, e.g. 10.0.0.5:5710", ErrConfig, key, addr)
 	}
 	if n, err := strconv.Atoi(port); err != nil || n < 1 || n > 65535 {
-		return fmt.Errorf("%w: p2p_dialect vllm: the node's identity %q has no port", ErrConfig, addr)
+		return fmt.Errorf("%w: %s: %q has no port vLLM peers can dial", ErrConfig, key, addr)
 	}
 	return nil
 }

@@ -134,7 +134,7 @@ func flags(d node.Config) (*flag.FlagSet, func(cfg *node.Config, set map[string]
 		tlsCA      = fs.String("p2p-tls-ca", d.TLSCA, "P2P mutual TLS: the cluster CA certificates (PEM)")
 		peers      = fs.String("peers", strings.Join(d.Peers, ","), "comma-separated peers dialled at start")
 		dataPlane  = fs.String("data-plane", d.DataPlane, "P2P data plane: tcp, or nixl in a binary built with -tags nixl (with -p2p-dialect vllm: nixl, or none: no blocks move)")
-		dialect    = fs.String("p2p-dialect", d.Dialect, "P2P wire: kvtier, or vllm (vLLM's G2 P2P wire; needs -hash-algo vllm-sha256-cbor and a -p2p-advertise host:port; docs/vllm.md)")
+		dialect    = fs.String("p2p-dialect", d.Dialect, "P2P wire: kvtier, or vllm (vLLM's G2 P2P wire; needs -hash-algo vllm-sha256-cbor with vLLM's -hash-seed, and -p2p-listen naming a host or -p2p-advertise host:port; docs/vllm.md)")
 		dataConns  = fs.Int("data-conns", d.DataConns, "TCP data connections per peer")
 		dataNice   = fs.Int("data-nice", d.DataNice, "nice value (0-19) of the threads moving block bytes")
 		kvEvents   = fs.String("kv-events-endpoint", d.KVEventsEndpoint, "publish KV events in vLLM's format on a ZMQ PUB socket bound here (host:port; needs -hash-algo vllm-sha256-cbor)")
