@@ -10,6 +10,7 @@ import (
 	"net/netip"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -58,8 +59,12 @@ type vstate struct {
 	deadline   time.Time   // the handshake's bound
 	// asked are the lookups sent and not answered, oldest first (at most
 	// vllmMaxAsked): G2's lookup_resp names no round, so an answer is
-	// matched to the lookup of its request with the same keys.
-	asked []vlookup
+	// matched to the lookup of its request with the same keys. Two such
+	// lookups are never out at once (the peer may answer them in either
+	// order, and their answers look alike): a second waits in waiting
+	// (at most vllmMaxAsked) until the first is answered or forgotten.
+	asked   []vlookup
+	waiting []vwaiting
 	// writes maps a round being written to its data-plane write id: vLLM's
 	// round numbers are the consumer's, per request (PD rounds are all 0),
 	// while the data plane keys writes by peer and one number.
@@ -72,6 +77,13 @@ type vlookup struct {
 	kvID  string
 	round uint64
 	keys  [sha256.Size]byte
+}
+
+// vwaiting is a lookup held back while one of its request with the same
+// keys is out.
+type vwaiting struct {
+	m   wire.Lookup
+	sum [sha256.Size]byte
 }
 
 func keysDigest(ks []wire.Key) [sha256.Size]byte {
@@ -128,24 +140,54 @@ func vllmPeerID(id []byte) (string, error) {
 }
 
 // vsource checks a connection's claim to a vLLM identity: never this
-// node's own (a loop of dialling itself), and, for an identity whose host
-// is an IP address, a connection from that address — a stranger elsewhere
-// cannot join or end a peer's session by naming it (vLLM's wire has no
-// other proof; vllm_source_check false turns this off for multi-homed
-// peers whose connections leave from another address).
+// node's own (a loop of dialling itself), and, with vllm_source_check, a
+// connection from the identity's host — its address when the host is an
+// IP address, loopback for localhost (vLLM's default identity) — so a
+// stranger elsewhere cannot join or end a peer's session by naming it
+// (vLLM's wire has no other proof). Other host names are checked when the
+// connection joins a session whose DEALER is up (vjoins). Off for
+// multi-homed peers whose connections leave from another address.
 func (t *Tier) vsource(c net.Conn, id string) error {
 	if id == t.addr {
 		return &rejectError{Code: wire.CodeSelf, Text: fmt.Sprintf("a vLLM peer claims this node's identity %s", id)}
 	}
-	host, _, _ := net.SplitHostPort(id)
-	want, err := netip.ParseAddr(host)
-	if err != nil || !t.cfg.VLLMSourceCheck {
-		return nil // a host name: not checked (no resolution on this path)
+	if !t.cfg.VLLMSourceCheck {
+		return nil
 	}
-	if got, err := netip.ParseAddr(sourceIP(c)); err == nil && got.Unmap() != want.Unmap() {
+	host, _, _ := net.SplitHostPort(id)
+	got, err := netip.ParseAddr(sourceIP(c))
+	if err != nil {
+		return nil // not an IP connection (an in-memory test network)
+	}
+	got = got.Unmap()
+	if want, err := netip.ParseAddr(host); err == nil && got != want.Unmap() {
+		return &rejectError{Code: wire.CodeAuth, Text: fmt.Sprintf("a connection from %s claims vLLM identity %s", got, id)}
+	}
+	if isLocalhost(host) && !got.IsLoopback() {
 		return &rejectError{Code: wire.CodeAuth, Text: fmt.Sprintf("a connection from %s claims vLLM identity %s", got, id)}
 	}
 	return nil
+}
+
+// isLocalhost says whether a host name names this host's loopback.
+func isLocalhost(host string) bool {
+	host = strings.ToLower(strings.TrimSuffix(host, "."))
+	return host == "localhost" || strings.HasSuffix(host, ".localhost") || host == "ip6-localhost" || host == "ip6-loopback"
+}
+
+// vjoins checks a connection joining the existing session s by name: with
+// vllm_source_check and the session's DEALER up, it must come from the
+// address that DEALER reached (the identity's host, resolved).
+func (t *Tier) vjoins(s *session, cc *ctrlConn) error {
+	if !t.cfg.VLLMSourceCheck || s.conn == nil {
+		return nil
+	}
+	want, err1 := netip.ParseAddr(sourceIP(s.conn.c))
+	got, err2 := netip.ParseAddr(sourceIP(cc.c))
+	if err1 != nil || err2 != nil || want.Unmap() == got.Unmap() {
+		return nil
+	}
+	return &rejectError{Code: wire.CodeAuth, Text: fmt.Sprintf("a connection from %s claims vLLM identity %s, whose host is %s", got, s.peer, want)}
 }
 
 // serveZMTP runs the ROUTER's side of an accepted connection: the ZMTP
@@ -357,6 +399,13 @@ func (t *Tier) vattach(cc *ctrlConn, m vllmwire.Msg) {
 	}
 	id := cc.dialer
 	s := t.byNode[id]
+	if s != nil && !s.dead {
+		if err := t.vjoins(s, cc); err != nil {
+			t.handshakeFailed(cc.c, err)
+			cc.c.Close()
+			return
+		}
+	}
 	var dealer *ctrlConn
 	if s != nil && m.Type == vllmwire.TypeConnect && s.v.gotConnect {
 		// The peer started a new session: the old one ends, and the new
@@ -374,7 +423,7 @@ func (t *Tier) vattach(cc *ctrlConn, m vllmwire.Msg) {
 			t.warnLimited("p2p: a vLLM peer's first message is not connect; closing its connection", "peer", id, "type", m.Type)
 			cc.c.Close()
 			return
-		case len(t.sessions) >= t.cfg.MaxSessions:
+		case dealer == nil && len(t.sessions) >= t.cfg.MaxSessions: // a restart adds no session
 			t.rejects.add(false, wire.CodeCapacity)
 			t.warnLimited("p2p: session cap reached; refusing a vLLM peer", "peer", id, "max_sessions", t.cfg.MaxSessions)
 			cc.c.Close()
@@ -454,7 +503,7 @@ func (t *Tier) vanswered(s *session, lr wire.LookupResp) uint64 {
 	sum := keysDigest(lr.Keys)
 	for i, l := range s.v.asked {
 		if l.kvID == lr.ReqID && l.keys == sum {
-			s.v.asked = slices.Delete(s.v.asked, i, i+1)
+			t.vforget(s, i)
 			if l.round != s.cons.OpenRound(lr.ReqID) {
 				return 0
 			}
@@ -462,6 +511,18 @@ func (t *Tier) vanswered(s *session, lr wire.LookupResp) uint64 {
 		}
 	}
 	return 0
+}
+
+// vforget drops asked[i] (answered, or the oldest beyond the bound) and
+// sends the lookup that waited for it, if any.
+func (t *Tier) vforget(s *session, i int) {
+	l := s.v.asked[i]
+	s.v.asked = slices.Delete(s.v.asked, i, i+1)
+	if j := slices.IndexFunc(s.v.waiting, func(w vwaiting) bool { return w.m.ReqID == l.kvID && w.sum == l.keys }); j >= 0 {
+		m := s.v.waiting[j].m
+		s.v.waiting = slices.Delete(s.v.waiting, j, j+1)
+		t.sendNow(s, m)
+	}
 }
 
 // vconnect takes the peer's connect: block_len and hash_seed must be this
@@ -522,10 +583,18 @@ func (t *Tier) vsend(s *session, m wire.Msg) {
 		return
 	}
 	if l, ok := m.(wire.Lookup); ok {
-		if len(s.v.asked) == vllmMaxAsked {
-			s.v.asked = slices.Delete(s.v.asked, 0, 1)
+		sum := keysDigest(l.Keys)
+		if slices.ContainsFunc(s.v.asked, func(a vlookup) bool { return a.kvID == l.ReqID && a.keys == sum }) {
+			if len(s.v.waiting) == vllmMaxAsked {
+				s.v.waiting = slices.Delete(s.v.waiting, 0, 1) // its keys miss at lookup_timeout
+			}
+			s.v.waiting = append(s.v.waiting, vwaiting{l, sum})
+			return
 		}
-		s.v.asked = append(s.v.asked, vlookup{kvID: l.ReqID, round: l.Round, keys: keysDigest(l.Keys)})
+		if len(s.v.asked) == vllmMaxAsked {
+			t.vforget(s, 0)
+		}
+		s.v.asked = append(s.v.asked, vlookup{kvID: l.ReqID, round: l.Round, keys: sum})
 	}
 	if vm, ok := vllmwire.FromWire(m); ok {
 		t.vsendMsg(s, vm)
