@@ -65,6 +65,9 @@ type vstate struct {
 	// (at most vllmMaxAsked) until the first is answered or forgotten.
 	asked   []vlookup
 	waiting []vwaiting
+	// heir is the session that took over from this one (a restart) while
+	// this one's DEALER was still dialling: the dial's end is its.
+	heir *session
 	// writes maps a round being written to its data-plane write id: vLLM's
 	// round numbers are the consumer's, per request (PD rounds are all 0),
 	// while the data plane keys writes by peer and one number.
@@ -282,7 +285,7 @@ func (t *Tier) vdial(id string) *session {
 		t.kill(s, "that is this node's own identity")
 		return s
 	}
-	s := t.vnewSession(true, id, nil)
+	s := t.vnewSession(true, id, nil, false)
 	if r := t.redial[id]; r != nil {
 		r.at = time.Time{}
 	}
@@ -290,8 +293,9 @@ func (t *Tier) vdial(id string) *session {
 }
 
 // vnewSession makes the session of peer id on dealer, this node's DEALER
-// to it, or dials one (nil).
-func (t *Tier) vnewSession(dialed bool, id string, dealer *ctrlConn) *session {
+// to it; with none, it dials one, unless inherit: an ended session's dial
+// is still in flight and will be handed over (vdialled).
+func (t *Tier) vnewSession(dialed bool, id string, dealer *ctrlConn, inherit bool) *session {
 	s := t.newSession(dialed, id)
 	s.v = &vstate{deadline: t.env.Now().Add(time.Duration(t.cfg.HandshakeTimeout)), writes: map[protocol.RoundID]uint64{}}
 	s.peer, s.peerAddr = id, id
@@ -302,9 +306,15 @@ func (t *Tier) vnewSession(dialed bool, id string, dealer *ctrlConn) *session {
 	}
 	t.armBy(s.v.deadline)
 	if dealer != nil {
+		dealer.out.Lock() // the ended session's frames are not the new one's: the peer sees connect first
+		dealer.out.frames, dealer.out.bytes, dealer.out.ping = nil, 0, 0
+		dealer.out.Unlock()
 		dealer.s, s.conn = s, dealer
 		t.vsendMsg(s, t.vconnectMsg())
 		s.v.sentConn = true
+		return s
+	}
+	if inherit {
 		return s
 	}
 	t.wg.Go(func() {
@@ -333,6 +343,9 @@ func (t *Tier) vnewSession(dialed bool, id string, dealer *ctrlConn) *session {
 // vdialled takes this node's DEALER to the session's peer: connect goes
 // first, then what waited for the connection.
 func (t *Tier) vdialled(s *session, cc *ctrlConn, err error) {
+	if h := s.v.heir; s.dead && h != nil && !h.dead && h.conn == nil {
+		s = h // the session that took over waits for this dial
+	}
 	switch {
 	case err != nil:
 		t.kill(s, fmt.Sprintf("dialling %s: %v", s.peer, err))
@@ -407,6 +420,8 @@ func (t *Tier) vattach(cc *ctrlConn, m vllmwire.Msg) {
 		}
 	}
 	var dealer *ctrlConn
+	var old *session
+	inherit := false
 	if s != nil && m.Type == vllmwire.TypeConnect && s.v.gotConnect {
 		// The peer started a new session: the old one ends, and the new
 		// one keeps this node's DEALER, which belongs to the identity —
@@ -414,8 +429,9 @@ func (t *Tier) vattach(cc *ctrlConn, m vllmwire.Msg) {
 		// before the old connection's end, and libzmq refuses a second
 		// connection of one identity (vLLM sets no ROUTER_HANDOVER).
 		dealer, s.conn = s.conn, nil
+		inherit = dealer == nil // its dial is in flight: the new session takes its end
 		t.kill(s, "the peer connected again (a new session or process)")
-		s = nil
+		old, s = s, nil
 	}
 	if s == nil {
 		switch {
@@ -423,13 +439,16 @@ func (t *Tier) vattach(cc *ctrlConn, m vllmwire.Msg) {
 			t.warnLimited("p2p: a vLLM peer's first message is not connect; closing its connection", "peer", id, "type", m.Type)
 			cc.c.Close()
 			return
-		case dealer == nil && len(t.sessions) >= t.cfg.MaxSessions: // a restart adds no session
+		case old == nil && len(t.sessions) >= t.cfg.MaxSessions: // a restart adds no session
 			t.rejects.add(false, wire.CodeCapacity)
 			t.warnLimited("p2p: session cap reached; refusing a vLLM peer", "peer", id, "max_sessions", t.cfg.MaxSessions)
 			cc.c.Close()
 			return
 		}
-		s = t.vnewSession(false, id, dealer)
+		s = t.vnewSession(false, id, dealer, inherit)
+		if old != nil && inherit {
+			old.v.heir = s
+		}
 	}
 	cc.s = s
 	if len(s.v.pipes) >= vllmMaxPipes {

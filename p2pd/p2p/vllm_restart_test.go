@@ -200,3 +200,40 @@ func TestVLLMLocalhostIdentity(t *testing.T) {
 		})
 	}
 }
+
+// Found in review: a restart (a second connect, on a new connection)
+// while the node's DEALER to the peer was still dialling made the new
+// session dial a second DEALER, which libzmq's ROUTER would refuse while
+// the first lingers. The new session takes the first dial's end: one
+// DEALER, and on it connect then connect_ack.
+func TestVLLMRestartWhileDialling(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		mn := newZNet()
+		n := newVNode(t, mn, "none", nil)
+		p := newVPeer(t, mn, "vllm-rd:7000")
+		p.dial(n.tier.Addr())
+		p.send(p.connectMsg(n))
+		synctest.Wait() // the node dials back; the peer's ROUTER has not accepted yet
+		p.dial(n.tier.Addr())
+		p.send(p.connectMsg(n)) // the peer's new session
+		synctest.Wait()
+		p.accept(n.tier.Addr())
+		extra := make(chan net.Conn, 1)
+		go func() { c, _ := p.ln.Accept(); extra <- c }()
+		p.expect(vllmwire.TypeConnect)
+		p.expect(vllmwire.TypeConnectAck)
+		p.send(vllmwire.Msg{Type: vllmwire.TypeConnectAck, PeerID: p.id})
+		synctest.Wait()
+		if readyPeers(n) != 1 {
+			t.Fatal("the new session is not ready on the inherited DEALER")
+		}
+		select {
+		case c := <-extra:
+			if c != nil {
+				t.Error("the node dialled the peer a second time")
+				c.Close()
+			}
+		default:
+		}
+	})
+}
