@@ -82,11 +82,7 @@ func TestVLLMSelfIdentity(t *testing.T) {
 		if k := ended.Load(); k >= 50 {
 			t.Errorf("one connect with the node's own identity ended %d sessions and is still going (the node dials itself, forever)", k)
 		}
-		n.m.Do(func(*offload.Step) {
-			if ps := n.tier.Peers(); len(ps) != 0 {
-				t.Errorf("sessions %+v after a connect claiming the node's identity", ps)
-			}
-		})
+		noSessions(t, n)
 	})
 }
 
@@ -148,23 +144,6 @@ func TestVLLMAckBeforeConnect(t *testing.T) {
 	})
 }
 
-// vlinked is a node consuming from a hand-played vLLM producer, handshake done.
-func vlinked(t *testing.T, mn zNet, id string) (*node, *vpeer, *offload.Request, *offload.Arena) {
-	n := newVNode(t, mn, "mem", func(c *Config) { c.LookupTimeout = offload.Duration(time.Hour) })
-	p := newVPeer(t, mn, id)
-	req := &offload.Request{ID: "r", TransferParams: source("kv", p.id)}
-	n.m.Do(func(s *offload.Step) { s.OnNewRequest(req) })
-	p.accept(n.tier.Addr())
-	c := p.expect(vllmwire.TypeConnect)
-	p.dial(n.tier.Addr())
-	p.send(p.connectMsg(n))
-	p.send(vllmwire.Msg{Type: vllmwire.TypeConnectAck, PeerID: p.id})
-	p.expect(vllmwire.TypeConnectAck)
-	synctest.Wait()
-	a, _ := memArenas.Load(string(c.AgentMetadata))
-	return n, p, req, a.(*offload.Arena)
-}
-
 // Found in review (twice): G2's lookup_resp has no round. A lookup of
 // round N answered after the request fetched round N and asked again in
 // round N+1 was taken for round N+1's answer (first it was given the
@@ -177,7 +156,7 @@ func vlinked(t *testing.T, mn zNet, id string) (*node, *vpeer, *offload.Request,
 func TestVLLMLateLookupResp(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		mn := newZNet()
-		n, p, req, _ := vlinked(t, mn, "vllm-r:7000")
+		n, p, req, _ := vlinked(t, mn, "mem", "vllm-r:7000")
 		keys := testKeys(8, 2)
 		a, b := keys[0], keys[1]
 		n.m.Do(func(s *offload.Step) { s.Lookup(a, req) })

@@ -68,18 +68,7 @@ func TestVLLMRestartAtCap(t *testing.T) {
 // that releases the peer's pins.
 func TestVLLMNonePlaneConsumer(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		mn := newZNet()
-		n := newVNode(t, mn, "none", func(c *Config) { c.LookupTimeout = offload.Duration(time.Hour) })
-		p := newVPeer(t, mn, "vllm-n:7000")
-		req := &offload.Request{ID: "r", TransferParams: source("kv", p.id)}
-		n.m.Do(func(s *offload.Step) { s.OnNewRequest(req) })
-		p.accept(n.tier.Addr())
-		p.expect(vllmwire.TypeConnect)
-		p.dial(n.tier.Addr())
-		p.send(p.connectMsg(n))
-		p.send(vllmwire.Msg{Type: vllmwire.TypeConnectAck, PeerID: p.id})
-		p.expect(vllmwire.TypeConnectAck)
-		synctest.Wait()
+		n, p, req, _ := vlinked(t, newZNet(), "none", "vllm-n:7000")
 		k := testKeys(10, 2)
 		n.m.Do(func(s *offload.Step) { s.Lookup(k[0], req) })
 		l := p.expect(vllmwire.TypeLookup)

@@ -313,6 +313,38 @@ func (p *vpeer) handshake(n *node) {
 	synctest.Wait()
 }
 
+// vlinked is a node in vLLM's dialect on plane consuming request req
+// (kv_request_id "kv") from a hand-played vLLM peer id, handshake done the
+// way the node dials: it returns the node's arena as its connect named it
+// (mem) or nil.
+func vlinked(t *testing.T, mn zNet, plane, id string) (*node, *vpeer, *offload.Request, *offload.Arena) {
+	t.Helper()
+	n := newVNode(t, mn, plane, func(c *Config) { c.LookupTimeout = offload.Duration(time.Hour) })
+	p := newVPeer(t, mn, id)
+	req := &offload.Request{ID: "r", TransferParams: source("kv", p.id)}
+	n.m.Do(func(s *offload.Step) { s.OnNewRequest(req) })
+	p.accept(n.tier.Addr())
+	c := p.expect(vllmwire.TypeConnect)
+	p.dial(n.tier.Addr())
+	p.send(p.connectMsg(n))
+	p.send(vllmwire.Msg{Type: vllmwire.TypeConnectAck, PeerID: p.id})
+	p.expect(vllmwire.TypeConnectAck)
+	synctest.Wait()
+	a, _ := memArenas.Load(string(c.AgentMetadata))
+	arena, _ := a.(*offload.Arena)
+	return n, p, req, arena
+}
+
+// noSessions fails t if the node has a session left.
+func noSessions(t *testing.T, n *node) {
+	t.Helper()
+	n.m.Do(func(*offload.Step) {
+		if ps := n.tier.Peers(); len(ps) != 0 {
+			t.Errorf("sessions left: %+v", ps)
+		}
+	})
+}
+
 func readyPeers(n *node) (ready int) {
 	n.m.Do(func(*offload.Step) {
 		for _, ps := range n.tier.Peers() {
@@ -504,11 +536,7 @@ func TestVLLMHandshakeRejects(t *testing.T) {
 					p.expect(vllmwire.TypeDisconnect)
 				}
 				synctest.Wait()
-				n.m.Do(func(*offload.Step) {
-					if ps := n.tier.Peers(); len(ps) != 0 {
-						t.Errorf("sessions left: %+v", ps)
-					}
-				})
+				noSessions(t, n)
 				if p.in != nil {
 					if m := p.next(); m.Type != "" {
 						t.Errorf("after the disconnect: %s", m.Type)
@@ -547,11 +575,7 @@ func TestVLLMHandshakeBounds(t *testing.T) {
 			t.Errorf("dropped after %v, want handshake_timeout 5s", d)
 		}
 		synctest.Wait()
-		n.m.Do(func(*offload.Step) {
-			if ps := n.tier.Peers(); len(ps) != 0 {
-				t.Errorf("sessions left: %+v", ps)
-			}
-		})
+		noSessions(t, n)
 	})
 }
 
@@ -561,18 +585,7 @@ func TestVLLMHandshakeBounds(t *testing.T) {
 // unanswered PING.
 func TestVLLMKeepalive(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		mn := newZNet()
-		n := newVNode(t, mn, "mem", func(c *Config) { c.LookupTimeout = offload.Duration(time.Hour) })
-		p := newVPeer(t, mn, "vllm-f:7000")
-		req := &offload.Request{ID: "r", TransferParams: source("kv", p.id)}
-		n.m.Do(func(s *offload.Step) { s.OnNewRequest(req) })
-		p.accept(n.tier.Addr())
-		p.expect(vllmwire.TypeConnect)
-		p.dial(n.tier.Addr())
-		p.send(p.connectMsg(n))
-		p.send(vllmwire.Msg{Type: vllmwire.TypeConnectAck, PeerID: p.id})
-		p.expect(vllmwire.TypeConnectAck)
-		synctest.Wait()
+		n, p, req, _ := vlinked(t, newZNet(), "mem", "vllm-f:7000")
 		n.m.Do(func(s *offload.Step) { s.Lookup(testKeys(3, 1)[0], req); s.OnScheduleEnd() })
 		p.expect(vllmwire.TypeLookup) // never answered: the session is busy
 		time.Sleep(time.Minute)
