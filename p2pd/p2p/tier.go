@@ -39,6 +39,10 @@ type Tier struct {
 	vllm       bool // p2p_dialect vllm (vllm.go)
 	wg         sync.WaitGroup
 	closing    chan struct{}
+	// stop is cancelled by Close: dials and handshakes in flight end at
+	// once instead of at handshake_timeout (shakeDeadline).
+	stop       context.Context
+	cancelStop context.CancelFunc
 
 	// Shared with connection goroutines, safe without the manager lock.
 	live       liveSet       // processes with a ready session: data connections must come from one
@@ -268,6 +272,7 @@ func New(cfg Config, node offload.Config, n Network, env offload.TierEnv) (*Tier
 	t := &Tier{cfg: cfg, node: node, env: env, log: log, net: n, blockBytes: env.Arena.SlotBytes(), vllm: cfg.Dialect == DialectVLLM,
 		closing: make(chan struct{}), sessions: map[*session]bool{}, byNode: map[string]*session{},
 		byAddr: map[string]*session{}, redial: map[string]*backoff{}}
+	t.stop, t.cancelStop = context.WithCancel(context.Background())
 	t.prods = protocol.Producers{Log: log, Config: protocol.ProducerConfig{LookupHold: time.Duration(cfg.LookupHold),
 		PinHold: time.Duration(cfg.PinHold), BlockBytes: t.blockBytes}}
 	t.conss = protocol.Consumers{Log: log, Config: protocol.ConsumerConfig{LookupTimeout: cfg.lookupTimeout(),
@@ -384,6 +389,22 @@ func (t *Tier) Addr() string { return t.addr }
 // NodeID is this node's id.
 func (t *Tier) NodeID() string { return t.self.NodeID }
 
+// untilClose makes c's I/O fail at once when the tier closes, while a
+// dial or handshake goroutine uses it (the returned func ends that), so
+// Close does not wait out handshake_timeout.
+func (t *Tier) untilClose(c net.Conn) func() bool {
+	return context.AfterFunc(t.stop, func() { c.SetDeadline(time.Now()) })
+}
+
+// shakeDeadline sets a handshake's deadline on c — now, when the tier is
+// closing (a deadline set after untilClose fired must not outlast it).
+func (t *Tier) shakeDeadline(c net.Conn, d time.Time) {
+	c.SetDeadline(d)
+	if t.stop.Err() != nil {
+		c.SetDeadline(time.Now())
+	}
+}
+
 // post queues e to be applied under the manager lock and wakes the poll
 // goroutine. Socket goroutines call it; it never blocks for long.
 func (t *Tier) post(e event) {
@@ -457,10 +478,11 @@ func (t *Tier) serveConn(c net.Conn) {
 		t.serveZMTP(c)
 		return
 	}
+	defer t.untilClose(c)()
 	start := time.Now()
-	c.SetDeadline(start.Add(min(helloTimeout, time.Duration(t.cfg.HandshakeTimeout))))
+	t.shakeDeadline(c, start.Add(min(helloTimeout, time.Duration(t.cfg.HandshakeTimeout))))
 	p, err := wire.ReadFrame(c, nil, wire.MaxPreAuthFrame)
-	c.SetDeadline(start.Add(time.Duration(t.cfg.HandshakeTimeout)))
+	t.shakeDeadline(c, start.Add(time.Duration(t.cfg.HandshakeTimeout)))
 	var m wire.Msg
 	if err == nil {
 		m, err = wire.Decode(p)
@@ -532,12 +554,13 @@ func (t *Tier) dial(addr string) *session {
 	}
 	t.wg.Go(func() {
 		deadline := time.Now().Add(time.Duration(t.cfg.HandshakeTimeout))
-		ctx, cancel := context.WithDeadline(context.Background(), deadline)
+		ctx, cancel := context.WithDeadline(t.stop, deadline)
 		defer cancel()
 		c, err := t.net.Dial(ctx, addr)
 		var sh shaken
 		if err == nil {
-			c.SetDeadline(deadline)
+			defer t.untilClose(c)()
+			t.shakeDeadline(c, deadline)
 			if sh, err = t.hs.dialControl(c); err != nil {
 				t.handshakeFailed(c, err)
 				c.Close()
@@ -736,6 +759,7 @@ func (t *Tier) Close() error {
 	}
 	t.closed = true
 	close(t.closing)
+	t.cancelStop()
 	t.ln.Close()
 	for s := range t.sessions {
 		t.send(s, wire.Disconnect{Code: wire.CodeShutdown, Reason: "shutting down"})

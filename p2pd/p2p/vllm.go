@@ -197,7 +197,8 @@ func (t *Tier) vjoins(s *session, cc *ctrlConn) error {
 // handshake and the first message, both within handshake_timeout, before
 // the connection reaches the session layer.
 func (t *Tier) serveZMTP(c net.Conn) {
-	c.SetDeadline(time.Now().Add(time.Duration(t.cfg.HandshakeTimeout)))
+	defer t.untilClose(c)()
+	t.shakeDeadline(c, time.Now().Add(time.Duration(t.cfg.HandshakeTimeout)))
 	z, err := zmtp.Handshake(c, zmtp.Router, nil, vllmMaxMsg)
 	var id string
 	if err == nil {
@@ -319,12 +320,13 @@ func (t *Tier) vnewSession(dialed bool, id string, dealer *ctrlConn, inherit boo
 	}
 	t.wg.Go(func() {
 		deadline := time.Now().Add(time.Duration(t.cfg.HandshakeTimeout))
-		ctx, cancel := context.WithDeadline(context.Background(), deadline)
+		ctx, cancel := context.WithDeadline(t.stop, deadline)
 		defer cancel()
 		c, err := t.net.Dial(ctx, id)
 		var cc *ctrlConn
 		if err == nil {
-			c.SetDeadline(deadline)
+			defer t.untilClose(c)()
+			t.shakeDeadline(c, deadline)
 			var z *zmtp.Conn
 			if z, err = zmtp.Handshake(c, zmtp.Dealer, []byte(t.addr), vllmMaxMsg); err != nil {
 				t.handshakeFailed(c, err)
