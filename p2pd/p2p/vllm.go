@@ -603,6 +603,9 @@ func (t *Tier) vsend(s *session, m wire.Msg) {
 		}
 		return
 	}
+	if f, ok := m.(wire.Fetch); ok && len(f.Keys) == 0 { // the request ended: what waited for it goes
+		s.v.waiting = slices.DeleteFunc(s.v.waiting, func(w vwaiting) bool { return w.m.ReqID == f.ReqID })
+	}
 	if l, ok := m.(wire.Lookup); ok {
 		sum := keysDigest(l.Keys)
 		if slices.ContainsFunc(s.v.asked, func(a vlookup) bool { return a.kvID == l.ReqID && a.keys == sum }) {

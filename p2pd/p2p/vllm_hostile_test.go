@@ -306,3 +306,37 @@ func TestCloseEndsHandshakes(t *testing.T) {
 		})
 	}
 }
+
+// A lookup held back behind one of the same keys is dropped when its
+// request ends (the terminal fetch): sent afterwards it would pin blocks
+// on the peer for a request that is gone, until pin_hold.
+func TestVLLMWaitingLookupDroppedAtEnd(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		n, p, req, _ := vlinked(t, newZNet(), "mem", "vllm-w:7000")
+		keys := testKeys(11, 2)
+		a, b := keys[0], keys[1]
+		n.m.Do(func(s *offload.Step) { s.Lookup(a, req) })
+		la := p.expect(vllmwire.TypeLookup)
+		n.m.Do(func(s *offload.Step) { s.Lookup(b, req) })
+		lb := p.expect(vllmwire.TypeLookup) // held by the peer
+		p.send(vllmwire.Msg{Type: vllmwire.TypeLookupResp, KVRequestID: "kv", Keys: la.Keys, Hits: []bool{true}})
+		synctest.Wait()
+		n.m.Do(func(s *offload.Step) { s.Lookup(a, req) }) // fetch A: round N
+		f := p.expect(vllmwire.TypeFetch)
+		n.m.Do(func(s *offload.Step) { s.Lookup(b, req) }) // B again: waits behind round N's lookup of B
+		synctest.Wait()
+		p.send(vllmwire.Msg{Type: vllmwire.TypeTransferDone, KVRequestID: "kv", RoundSeq: f.RoundSeq, Success: true})
+		synctest.Wait()
+		n.m.Do(func(s *offload.Step) { s.OnRequestFinished(req) }) // the terminal fetch
+		if m := p.expect(vllmwire.TypeFetch); len(m.Keys) != 0 {
+			t.Fatalf("want the terminal fetch, got %+v", m)
+		}
+		p.send(vllmwire.Msg{Type: vllmwire.TypeLookupResp, KVRequestID: "kv", Keys: lb.Keys, Hits: []bool{true}}) // round N's answer for B
+		synctest.Wait()
+		select {
+		case m := <-p.in:
+			t.Errorf("after the request ended the node sent %s %+v", m.Type, m)
+		default:
+		}
+	})
+}
