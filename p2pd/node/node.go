@@ -420,10 +420,10 @@ func (n *Node) metrics(w http.ResponseWriter, r *http.Request) {
 // a histogram of the fraction of each request's blocks it gave.
 type sourceStats struct {
 	mu    sync.Mutex
-	hists [4]*offload.Histogram // cpu, disk, peer, computed
+	hists [5]*offload.Histogram // cpu, disk, peer, computed, missed
 }
 
-var sourceNames = [4]string{"cpu", "disk", "peer", "computed"}
+var sourceNames = [5]string{"cpu", "disk", "peer", "computed", "missed"}
 
 func (s *sourceStats) observe(src api.Sources, blocks int) {
 	if blocks <= 0 {
@@ -431,7 +431,7 @@ func (s *sourceStats) observe(src api.Sources, blocks int) {
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	for i, c := range [4]int{src.CPU, src.Disk, src.Peer, src.Computed} {
+	for i, c := range [5]int{src.CPU, src.Disk, src.Peer, src.Computed, src.Missed} {
 		if s.hists[i] == nil {
 			s.hists[i] = offload.NewHistogram(offload.FractionBounds...)
 		}
@@ -448,7 +448,7 @@ func (s *sourceStats) stats() []offload.Stat {
 			h = offload.NewHistogram(offload.FractionBounds...)
 		}
 		out = append(out, offload.Stat{Name: "kv_offload_request_source_fraction", Type: "histogram",
-			Help: "Per finished request, the fraction of its blocks each source gave (cpu, disk, peer, computed).",
+			Help: "Per finished request, the fraction of its blocks each source gave (cpu, disk, peer, computed; missed: a fetch_only request's blocks found nowhere).",
 			Hist: h.Clone(), Labels: []string{"source", sourceNames[i]}})
 	}
 	return out

@@ -166,10 +166,32 @@ func (t *Tier) vsource(c net.Conn, id string) error {
 	if want, err := netip.ParseAddr(host); err == nil && got != want.Unmap() {
 		return &rejectError{Code: wire.CodeAuth, Text: fmt.Sprintf("a connection from %s claims vLLM identity %s", got, id)}
 	}
-	if isLocalhost(host) && !got.IsLoopback() {
+	if isLocalhost(host) && !fromThisHost(c) {
 		return &rejectError{Code: wire.CodeAuth, Text: fmt.Sprintf("a connection from %s claims vLLM identity %s", got, id)}
 	}
 	return nil
+}
+
+// fromThisHost says whether c's peer is on this host: a loopback address,
+// or this end's own address (a host dialling its own routable address
+// leaves from it).
+func fromThisHost(c net.Conn) bool {
+	remote, err1 := netip.ParseAddr(sourceIP(c))
+	local, err2 := netip.ParseAddr(localIP(c))
+	if err1 != nil {
+		return false
+	}
+	remote = remote.Unmap()
+	return remote.IsLoopback() || (err2 == nil && remote == local.Unmap())
+}
+
+// localIP is c's own host address.
+func localIP(c net.Conn) string {
+	a := c.LocalAddr().String()
+	if h, _, err := net.SplitHostPort(a); err == nil {
+		return h
+	}
+	return a
 }
 
 // isLocalhost says whether a host name names this host's loopback.
@@ -188,6 +210,9 @@ func (t *Tier) vjoins(s *session, cc *ctrlConn) error {
 	want, err1 := netip.ParseAddr(sourceIP(s.conn.c))
 	got, err2 := netip.ParseAddr(sourceIP(cc.c))
 	if err1 != nil || err2 != nil || want.Unmap() == got.Unmap() {
+		return nil
+	}
+	if fromThisHost(s.conn.c) && fromThisHost(cc.c) { // one host by other addresses (127.0.1.1, ::1, its own IP)
 		return nil
 	}
 	return &rejectError{Code: wire.CodeAuth, Text: fmt.Sprintf("a connection from %s claims vLLM identity %s, whose host is %s", got, s.peer, want)}
@@ -345,7 +370,11 @@ func (t *Tier) vnewSession(dialed bool, id string, dealer *ctrlConn, inherit boo
 // vdialled takes this node's DEALER to the session's peer: connect goes
 // first, then what waited for the connection.
 func (t *Tier) vdialled(s *session, cc *ctrlConn, err error) {
-	if h := s.v.heir; s.dead && h != nil && !h.dead && h.conn == nil {
+	h := s
+	for h.dead && h.v.heir != nil { // restarts may chain: the newest takes it
+		h = h.v.heir
+	}
+	if h != s && !h.dead && h.conn == nil {
 		s = h // the session that took over waits for this dial
 	}
 	switch {
@@ -539,10 +568,17 @@ func (t *Tier) vanswered(s *session, lr wire.LookupResp) uint64 {
 func (t *Tier) vforget(s *session, i int) {
 	l := s.v.asked[i]
 	s.v.asked = slices.Delete(s.v.asked, i, i+1)
-	if j := slices.IndexFunc(s.v.waiting, func(w vwaiting) bool { return w.m.ReqID == l.kvID && w.sum == l.keys }); j >= 0 {
+	for {
+		j := slices.IndexFunc(s.v.waiting, func(w vwaiting) bool { return w.m.ReqID == l.kvID && w.sum == l.keys })
+		if j < 0 {
+			return
+		}
 		m := s.v.waiting[j].m
 		s.v.waiting = slices.Delete(s.v.waiting, j, j+1)
-		t.sendNow(s, m)
+		if m.Round == s.cons.OpenRound(m.ReqID) { // else its round or request ended: dropped
+			t.sendNow(s, m)
+			return
+		}
 	}
 }
 

@@ -340,3 +340,125 @@ func TestVLLMWaitingLookupDroppedAtEnd(t *testing.T) {
 		}
 	})
 }
+
+// Found in review: the source check refused legitimate peers on the
+// node's own host: a vLLM with the default localhost identity dialling
+// the node's routable address (the connection leaves from that address,
+// not loopback), and a host-name identity whose DEALER reached another
+// address of the same host than the peer's connection comes from (::1
+// against 127.0.0.1). Real sockets.
+func TestVLLMSourceCheckSameHost(t *testing.T) {
+	t.Run("localhost identity to a routable node", func(t *testing.T) {
+		const far = "192.0.2.2" // a non-loopback address of this host
+		if c, err := net.Listen("tcp", far+":0"); err != nil {
+			t.Skipf("no %s here: %v", far, err)
+		} else {
+			c.Close()
+		}
+		router, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer router.Close()
+		_, port, _ := net.SplitHostPort(router.Addr().String())
+		id := net.JoinHostPort("localhost", port)
+		np := freePortOf(t, "0.0.0.0")
+		n := newVNode(t, nil, "none", func(c *Config) { c.Listen, c.Advertise = "0.0.0.0:"+np, far+":"+np })
+		c, err := net.DialTimeout("tcp", n.tier.Addr(), 5*time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		c.SetDeadline(time.Now().Add(10 * time.Second))
+		z, err := zmtp.Handshake(c, zmtp.Dealer, []byte(id), 8<<20)
+		if err != nil {
+			t.Fatal(err)
+		}
+		z.WriteMessage(vllmwire.Encode(nil, vllmwire.Msg{Type: vllmwire.TypeConnect, PeerID: id, AgentMetadata: []byte{}, NumBlocks: 1,
+			BlockLen: uint64(n.m.BlockBytes()), HashSeed: offload.VLLMDefaultSeed}))
+		router.(*net.TCPListener).SetDeadline(time.Now().Add(5 * time.Second))
+		back, err := router.Accept()
+		if err != nil {
+			t.Fatalf("the node did not dial vLLM (identity %s) back: %v; auth rejects %v", id, err, rejectsOf(n, "auth"))
+		}
+		back.Close()
+	})
+	t.Run("localhost over ::1 and 127.0.0.1", func(t *testing.T) {
+		router, err := net.Listen("tcp", "[::]:0")
+		if err != nil {
+			t.Skip(err)
+		}
+		defer router.Close()
+		_, port, _ := net.SplitHostPort(router.Addr().String())
+		id := net.JoinHostPort("localhost", port)
+		np := freePortOf(t, "127.0.0.1")
+		n := newVNode(t, v6localhost{}, "none", func(c *Config) { c.Listen, c.Advertise = "127.0.0.1:"+np, "localhost:"+np })
+		dealerThenPipe(t, n, router, id, "127.0.0.1:"+np)
+	})
+}
+
+func freePortOf(t *testing.T, host string) string {
+	l, err := net.Listen("tcp", host+":0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	_, p, _ := net.SplitHostPort(l.Addr().String())
+	return p
+}
+
+// v6localhost resolves localhost to ::1 first, as a resolver with
+// "::1 localhost" first in /etc/hosts does.
+type v6localhost struct{ TCP }
+
+func (n v6localhost) Dial(ctx context.Context, addr string) (net.Conn, error) {
+	if h, p, err := net.SplitHostPort(addr); err == nil && h == "localhost" {
+		if c, err := n.TCP.Dial(ctx, net.JoinHostPort("::1", p)); err == nil {
+			return c, nil
+		}
+	}
+	return n.TCP.Dial(ctx, addr)
+}
+
+// dealerThenPipe: the node dials the peer (a request names it), the peer
+// takes its DEALER and connect, dials the node at dialAddr with identity
+// id, sends connect, and expects connect_ack on the DEALER.
+func dealerThenPipe(t *testing.T, n *node, router net.Listener, id, dialAddr string) {
+	t.Helper()
+	req := &offload.Request{ID: "r", TransferParams: source("kv", id)}
+	n.m.Do(func(s *offload.Step) { s.OnNewRequest(req) })
+	defer n.m.Do(func(s *offload.Step) { s.OnRequestFinished(req) })
+	router.(*net.TCPListener).SetDeadline(time.Now().Add(5 * time.Second))
+	back, err := router.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer back.Close()
+	back.SetDeadline(time.Now().Add(10 * time.Second))
+	zb, err := zmtp.Handshake(back, zmtp.Router, nil, 8<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := zb.ReadMessage(); err != nil { // the node's connect
+		t.Fatal(err)
+	}
+	c, err := net.DialTimeout("tcp", dialAddr, 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(10 * time.Second))
+	z, err := zmtp.Handshake(c, zmtp.Dealer, []byte(id), 8<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	z.WriteMessage(vllmwire.Encode(nil, vllmwire.Msg{Type: vllmwire.TypeConnect, PeerID: id, AgentMetadata: []byte{}, NumBlocks: 1,
+		BlockLen: uint64(n.m.BlockBytes()), HashSeed: offload.VLLMDefaultSeed}))
+	parts, err := zb.ReadMessage()
+	if err != nil {
+		t.Fatalf("no connect_ack (%v); auth rejects %v", err, rejectsOf(n, "auth"))
+	}
+	if m, _ := vllmwire.Decode(parts[0]); m.Type != vllmwire.TypeConnectAck {
+		t.Fatalf("the node sent %q, want connect_ack; auth rejects %v", m.Type, rejectsOf(n, "auth"))
+	}
+}

@@ -8,7 +8,6 @@ import (
 
 	"github.com/kvtier/kvtier/offload"
 	"github.com/kvtier/kvtier/p2pd/vllmwire"
-	"github.com/kvtier/kvtier/p2pd/zmtp"
 )
 
 // Found in review: a restart (connect on a new connection of the
@@ -96,99 +95,67 @@ func TestVLLMNonePlaneConsumer(t *testing.T) {
 }
 
 // Found in review: host-name identities were not checked, so
-// "localhost:P" (vLLM's default form) from a non-loopback address ended
-// that peer's session. localhost must now come from loopback, as an IP
-// identity from its address. Real sockets; needs a non-loopback address
-// on this host (192.0.2.2), else it skips.
+// "localhost:P" (vLLM's default form) from another host ended that
+// peer's session. localhost must now come from this host: a loopback
+// address, or the connection's own address. In memory, with the source
+// addresses a real network would show (addrNet).
 func TestVLLMLocalhostIdentity(t *testing.T) {
-	const far = "192.0.2.2" // this host's non-loopback address
-	if c, err := net.Listen("tcp", far+":0"); err != nil {
-		t.Skipf("no %s here: %v", far, err)
-	} else {
-		c.Close()
-	}
-	for _, host := range []string{"127.0.0.1", "localhost"} {
-		t.Run(host, func(t *testing.T) {
-			router, err := net.Listen("tcp", "127.0.0.1:0") // the vLLM beside the node
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer router.Close()
-			_, port, _ := net.SplitHostPort(router.Addr().String())
-			id := net.JoinHostPort(host, port)
-			free, _ := net.Listen("tcp", "0.0.0.0:0")
-			_, np, _ := net.SplitHostPort(free.Addr().String())
-			free.Close()
-			n := newVNode(t, nil, "none", func(c *Config) { c.Listen, c.Advertise = "0.0.0.0:"+np, "127.0.0.1:"+np })
-			dealer := func(local, addr string) *zmtp.Conn {
-				d := net.Dialer{Timeout: 5 * time.Second}
-				if local != "" {
-					d.LocalAddr = &net.TCPAddr{IP: net.ParseIP(local)}
-				}
-				c, err := d.Dial("tcp", addr)
-				if err != nil {
-					t.Fatal(err)
-				}
-				t.Cleanup(func() { c.Close() })
-				c.SetDeadline(time.Now().Add(10 * time.Second))
-				z, err := zmtp.Handshake(c, zmtp.Dealer, []byte(id), 8<<20)
-				if err != nil {
-					t.Fatal(err)
-				}
-				go func() {
-					for {
-						if _, err := z.ReadMessage(); err != nil {
-							return
-						}
-					}
-				}()
-				return z
-			}
-			// The legitimate peer: its DEALER from loopback, connect; it takes
-			// the node's DEALER and acknowledges its connect.
-			z := dealer("", "127.0.0.1:"+np)
-			z.WriteMessage(vllmwire.Encode(nil, vllmwire.Msg{Type: vllmwire.TypeConnect, PeerID: id, AgentMetadata: []byte{}, NumBlocks: 1,
-				BlockLen: uint64(n.m.BlockBytes()), HashSeed: offload.VLLMDefaultSeed}))
-			router.(*net.TCPListener).SetDeadline(time.Now().Add(10 * time.Second))
-			back, err := router.Accept()
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer back.Close()
-			zb, err := zmtp.Handshake(back, zmtp.Router, nil, 8<<20)
-			if err != nil {
-				t.Fatal(err)
-			}
-			connected := make(chan struct{})
-			go func() {
-				for once := false; ; {
-					if _, err := zb.ReadMessage(); err != nil {
-						return
-					}
-					if !once { // the node's connect: only now may the peer acknowledge it
-						once = true
-						close(connected)
-					}
-				}
-			}()
-			<-connected
-			z.WriteMessage(vllmwire.Encode(nil, vllmwire.Msg{Type: vllmwire.TypeConnectAck, PeerID: id}))
-			for i := 0; readyPeers(n) != 1; i++ {
-				if i > 2000 {
-					t.Fatal("the legitimate peer's session is not ready")
-				}
-				time.Sleep(10 * time.Millisecond)
-			}
-			// A stranger on another address names the identity and says disconnect.
-			s := dealer(far, far+":"+np)
-			s.WriteMessage(vllmwire.Encode(nil, vllmwire.Msg{Type: vllmwire.TypeDisconnect}))
-			time.Sleep(500 * time.Millisecond)
-			if readyPeers(n) != 1 {
-				t.Errorf("a connection from %s claiming identity %s ended that peer's session", far, id)
-			}
-		})
-	}
+	synctest.Test(t, func(t *testing.T) {
+		an := &addrNet{zNet: newZNet(), local: "10.0.0.5"}
+		n := newVNode(t, an, "none", nil)
+		p := newVPeer(t, an.zNet, "localhost:7000")
+		an.from = "127.0.0.1"
+		p.handshake(n)
+		if readyPeers(n) != 1 {
+			t.Fatal("a localhost peer from loopback is not ready")
+		}
+		for _, from := range []string{"198.51.100.7", "10.0.0.5"} { // another host; this host's own address
+			an.from = from
+			z := rawDealer(t, an.zNet, n.tier.Addr(), p.id)
+			z.WriteMessage(vllmwire.Encode(nil, vllmwire.Msg{Type: vllmwire.TypeDisconnect}))
+			synctest.Wait()
+		}
+		if readyPeers(n) != 0 {
+			t.Fatal("neither connection ended the session: the one from this host's own address should have")
+		}
+		if got := rejectsOf(n, "auth"); got != 1 {
+			t.Errorf("auth rejects %v, want 1 (the connection from another host)", got)
+		}
+	})
 }
+
+// addrNet is zNet whose connections accepted by the node show a source
+// address (from, set before each dial) and a local one, as TCP would.
+type addrNet struct {
+	zNet
+	from, local string
+}
+
+func (n *addrNet) Listen(addr string) (net.Listener, error) {
+	l, err := n.zNet.Listen(addr)
+	return addrListener{l, n}, err
+}
+
+type addrListener struct {
+	net.Listener
+	n *addrNet
+}
+
+func (l addrListener) Accept() (net.Conn, error) {
+	c, err := l.Listener.Accept()
+	if err != nil {
+		return nil, err
+	}
+	return addrConn{c, &net.TCPAddr{IP: net.ParseIP(l.n.from), Port: 40000}, &net.TCPAddr{IP: net.ParseIP(l.n.local), Port: 5710}}, nil
+}
+
+type addrConn struct {
+	net.Conn
+	remote, local net.Addr
+}
+
+func (c addrConn) RemoteAddr() net.Addr { return c.remote }
+func (c addrConn) LocalAddr() net.Addr  { return c.local }
 
 // Found in review: a restart (a second connect, on a new connection)
 // while the node's DEALER to the peer was still dialling made the new
@@ -223,6 +190,31 @@ func TestVLLMRestartWhileDialling(t *testing.T) {
 				c.Close()
 			}
 		default:
+		}
+	})
+}
+
+// Found in review: two restarts while the DEALER dials chain the heirs;
+// the newest session gets the dial.
+func TestVLLMRestartTwiceWhileDialling(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		mn := newZNet()
+		n := newVNode(t, mn, "none", nil)
+		p := newVPeer(t, mn, "vllm-rd2:7000")
+		for range 3 { // the first session, then two restarts, before the peer's ROUTER accepts
+			p.dial(n.tier.Addr())
+			p.send(p.connectMsg(n))
+			synctest.Wait()
+		}
+		p.accept(n.tier.Addr())
+		if m := p.next(); m.Type != vllmwire.TypeConnect {
+			t.Fatalf("the node's DEALER sent %q (closed: %v); want connect for the newest session", m.Type, m.Type == "")
+		}
+		p.expect(vllmwire.TypeConnectAck)
+		p.send(vllmwire.Msg{Type: vllmwire.TypeConnectAck, PeerID: p.id})
+		synctest.Wait()
+		if readyPeers(n) != 1 {
+			t.Fatal("the newest session is not ready")
 		}
 	})
 }
