@@ -73,7 +73,8 @@ type Tier struct {
 	prods    protocol.Producers  // what the sessions' producers share
 	conss    protocol.Consumers  // and their consumers
 	consOf   map[*protocol.Consumer]*session
-	wid      uint64 // the last data-plane write id given a vLLM round (writeID)
+	wid      uint64              // the last data-plane write id given a vLLM round (writeID)
+	vdials   map[string]*session // vLLM identity → the session whose DEALER dial is in flight; vdialled removes it
 }
 
 type stats struct {
@@ -271,7 +272,7 @@ func New(cfg Config, node offload.Config, n Network, env offload.TierEnv) (*Tier
 	}
 	t := &Tier{cfg: cfg, node: node, env: env, log: log, net: n, blockBytes: env.Arena.SlotBytes(), vllm: cfg.Dialect == DialectVLLM,
 		closing: make(chan struct{}), sessions: map[*session]bool{}, byNode: map[string]*session{},
-		byAddr: map[string]*session{}, redial: map[string]*backoff{}}
+		byAddr: map[string]*session{}, redial: map[string]*backoff{}, vdials: map[string]*session{}}
 	t.stop, t.cancelStop = context.WithCancel(context.Background())
 	t.prods = protocol.Producers{Log: log, Config: protocol.ProducerConfig{LookupHold: time.Duration(cfg.LookupHold),
 		PinHold: time.Duration(cfg.PinHold), BlockBytes: t.blockBytes}}

@@ -65,8 +65,8 @@ type vstate struct {
 	// (at most vllmMaxAsked) until the first is answered or forgotten.
 	asked   []vlookup
 	waiting []vwaiting
-	// heir is the session that took over from this one (a restart) while
-	// this one's DEALER was still dialling: the dial's end is its.
+	// heir is the next session of the identity, made while this one's
+	// DEALER dial was in flight (Tier.vdials): the dial's end is its.
 	heir *session
 	// writes maps a round being written to its data-plane write id: vLLM's
 	// round numbers are the consumer's, per request (PD rounds are all 0),
@@ -311,7 +311,7 @@ func (t *Tier) vdial(id string) *session {
 		t.kill(s, "that is this node's own identity")
 		return s
 	}
-	s := t.vnewSession(true, id, nil, false)
+	s := t.vnewSession(true, id, nil)
 	if r := t.redial[id]; r != nil {
 		r.at = time.Time{}
 	}
@@ -319,9 +319,11 @@ func (t *Tier) vdial(id string) *session {
 }
 
 // vnewSession makes the session of peer id on dealer, this node's DEALER
-// to it; with none, it dials one, unless inherit: an ended session's dial
-// is still in flight and will be handed over (vdialled).
-func (t *Tier) vnewSession(dialed bool, id string, dealer *ctrlConn, inherit bool) *session {
+// to it; with none, it dials one — unless a dial to id is in flight for
+// an ended session: its end is handed over (vdialled), since a second
+// connection of this node's identity could be refused by the peer's
+// ROUTER while the first lingers.
+func (t *Tier) vnewSession(dialed bool, id string, dealer *ctrlConn) *session {
 	s := t.newSession(dialed, id)
 	s.v = &vstate{deadline: t.env.Now().Add(time.Duration(t.cfg.HandshakeTimeout)), writes: map[protocol.RoundID]uint64{}}
 	s.peer, s.peerAddr = id, id
@@ -340,9 +342,14 @@ func (t *Tier) vnewSession(dialed bool, id string, dealer *ctrlConn, inherit boo
 		s.v.sentConn = true
 		return s
 	}
-	if inherit {
+	if d := t.vdials[id]; d != nil {
+		for d.v.heir != nil {
+			d = d.v.heir
+		}
+		d.v.heir = s
 		return s
 	}
+	t.vdials[id] = s
 	t.wg.Go(func() {
 		deadline := time.Now().Add(time.Duration(t.cfg.HandshakeTimeout))
 		ctx, cancel := context.WithDeadline(t.stop, deadline)
@@ -370,8 +377,11 @@ func (t *Tier) vnewSession(dialed bool, id string, dealer *ctrlConn, inherit boo
 // vdialled takes this node's DEALER to the session's peer: connect goes
 // first, then what waited for the connection.
 func (t *Tier) vdialled(s *session, cc *ctrlConn, err error) {
+	if t.vdials[s.peer] == s {
+		delete(t.vdials, s.peer)
+	}
 	h := s
-	for h.dead && h.v.heir != nil { // restarts may chain: the newest takes it
+	for h.dead && h.v.heir != nil { // sessions made meanwhile chain: the newest takes it
 		h = h.v.heir
 	}
 	if h != s && !h.dead && h.conn == nil {
@@ -452,7 +462,6 @@ func (t *Tier) vattach(cc *ctrlConn, m vllmwire.Msg) {
 	}
 	var dealer *ctrlConn
 	var old *session
-	inherit := false
 	if s != nil && m.Type == vllmwire.TypeConnect && s.v.gotConnect {
 		// The peer started a new session: the old one ends, and the new
 		// one keeps this node's DEALER, which belongs to the identity —
@@ -460,7 +469,6 @@ func (t *Tier) vattach(cc *ctrlConn, m vllmwire.Msg) {
 		// before the old connection's end, and libzmq refuses a second
 		// connection of one identity (vLLM sets no ROUTER_HANDOVER).
 		dealer, s.conn = s.conn, nil
-		inherit = dealer == nil // its dial is in flight: the new session takes its end
 		t.kill(s, "the peer connected again (a new session or process)")
 		old, s = s, nil
 	}
@@ -476,10 +484,7 @@ func (t *Tier) vattach(cc *ctrlConn, m vllmwire.Msg) {
 			cc.c.Close()
 			return
 		}
-		s = t.vnewSession(false, id, dealer, inherit)
-		if old != nil && inherit {
-			old.v.heir = s
-		}
+		s = t.vnewSession(false, id, dealer) // if old's DEALER was still dialling, s takes the dial
 	}
 	cc.s = s
 	if len(s.v.pipes) >= vllmMaxPipes {

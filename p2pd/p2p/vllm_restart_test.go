@@ -218,3 +218,41 @@ func TestVLLMRestartTwiceWhileDialling(t *testing.T) {
 		}
 	})
 }
+
+// Found in review: a session that ended another way (the peer's
+// disconnect) while its DEALER dialled, then a new connect: the new
+// session dialled a second time. Any new session of the identity takes a
+// dial still in flight.
+func TestVLLMNewSessionTakesDialInFlight(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		mn := newZNet()
+		n := newVNode(t, mn, "none", nil)
+		p := newVPeer(t, mn, "vllm-dd:7000")
+		p.dial(n.tier.Addr())
+		p.send(p.connectMsg(n))
+		synctest.Wait() // the node dials back; not accepted yet
+		p.send(vllmwire.Msg{Type: vllmwire.TypeDisconnect})
+		synctest.Wait()
+		p.dial(n.tier.Addr())
+		p.send(p.connectMsg(n))
+		synctest.Wait()
+		p.accept(n.tier.Addr())
+		extra := make(chan net.Conn, 1)
+		go func() { c, _ := p.ln.Accept(); extra <- c }()
+		p.expect(vllmwire.TypeConnect)
+		p.expect(vllmwire.TypeConnectAck)
+		p.send(vllmwire.Msg{Type: vllmwire.TypeConnectAck, PeerID: p.id})
+		synctest.Wait()
+		if readyPeers(n) != 1 {
+			t.Fatal("the new session is not ready")
+		}
+		select {
+		case c := <-extra:
+			if c != nil {
+				t.Error("the node dialled the peer a second time")
+				c.Close()
+			}
+		default:
+		}
+	})
+}
