@@ -55,7 +55,8 @@ type NIXLPlane struct {
 	expect  map[roundKey]*nixlExpect
 	leaving []*nixlLeaving // removed peers, owned by the loop
 	drain   time.Duration
-	vllm    bool // NIXLConfig.VLLM
+	vllm    bool   // NIXLConfig.VLLM
+	name    string // this node's agent name
 	done    chan struct{}
 }
 
@@ -125,7 +126,7 @@ func NewNIXLPlane(arena *offload.Arena, self wire.Hello, cfg NIXLConfig, log *sl
 	if err != nil {
 		return nil, fmt.Errorf("p2p: nixl data plane: %w", err)
 	}
-	p := &NIXLPlane{arena: arena, agent: agent, log: log, poll: cfg.PollInterval, drain: cfg.Drain, vllm: cfg.VLLM,
+	p := &NIXLPlane{arena: arena, agent: agent, log: log, poll: cfg.PollInterval, drain: cfg.Drain, vllm: cfg.VLLM, name: name,
 		peers: map[string]*nixlPeer{}, byAgent: map[string]string{},
 		writes: map[roundKey]*nixlWrite{}, expect: map[roundKey]*nixlExpect{}, done: make(chan struct{})}
 	if p.poll <= 0 {
@@ -203,6 +204,22 @@ func (p *NIXLPlane) AddPeer(peer, _ string, info []byte) error {
 }
 
 func (p *NIXLPlane) addPeer(peer string, md []byte, base uintptr, stride, size, slots int) error {
+	// NIXL trusts parts of the blob: it is read here first (nixlmeta.go),
+	// and a name that is this agent's or another peer's is refused before
+	// NIXL could merge it into, or on failure erase, that agent's state.
+	meta, err := checkNIXLMeta(md)
+	if err != nil {
+		return err
+	}
+	p.mu.Lock()
+	owner, taken := p.byAgent[meta.Agent]
+	p.mu.Unlock()
+	switch {
+	case meta.Agent == p.name:
+		return fmt.Errorf("p2p: nixl: the peer's metadata names this node's agent %q", meta.Agent)
+	case taken && owner != peer:
+		return fmt.Errorf("p2p: nixl: the peer's metadata names agent %q, which is peer %s's", meta.Agent, owner)
+	}
 	// Agent names carry the node's incarnation: a restarted peer is a
 	// new name, and the same name is the same process.
 	agent, err := p.agent.LoadRemote(md)
