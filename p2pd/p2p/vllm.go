@@ -398,8 +398,8 @@ func (t *Tier) vdialled(s *session, cc *ctrlConn, err error) {
 	cc.s = s
 	s.conn = cc
 	cc.z.OnPong(func(ctx []byte) {
-		if len(ctx) == 8 && cc.pingOut.CompareAndSwap(binary.BigEndian.Uint64(ctx), 0) {
-			t.post(vpong{cc, binary.BigEndian.Uint64(ctx)})
+		if seq, ok := cc.answers(ctx); ok {
+			t.post(vpong{cc, seq})
 		}
 	})
 	t.wg.Go(func() { t.writer(cc) })
@@ -686,6 +686,17 @@ func (t *Tier) vqueue(s *session, f []byte) {
 		t.log.Warn("p2p: vLLM peer does not read its connection; dropping it", "peer", s.peer, "queued_limit", maxQueued)
 		t.post(sendQueueFull{s})
 	}
+}
+
+// answers says whether a PONG's context answers the PING outstanding on
+// cc, and takes it: only then is an event posted, so a peer's
+// unsolicited PONGs cost nothing (sequences start at 1: 0 is none).
+func (cc *ctrlConn) answers(ctx []byte) (uint64, bool) {
+	if len(ctx) != 8 {
+		return 0, false
+	}
+	seq := binary.BigEndian.Uint64(ctx)
+	return seq, seq != 0 && cc.pingOut.CompareAndSwap(seq, 0)
 }
 
 // pingNow has the writer send a ZMTP PING carrying seq.

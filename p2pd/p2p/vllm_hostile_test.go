@@ -2,6 +2,7 @@ package p2p
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -460,5 +461,27 @@ func dealerThenPipe(t *testing.T, n *node, router net.Listener, id, dialAddr str
 	}
 	if m, _ := vllmwire.Decode(parts[0]); m.Type != vllmwire.TypeConnectAck {
 		t.Fatalf("the node sent %q, want connect_ack; auth rejects %v", m.Type, rejectsOf(n, "auth"))
+	}
+}
+
+// Found in review: a PONG with a zero context "answered" the PING that
+// was not outstanding (pingOut is 0 then), so a peer could flood the
+// event queue with vpong events (and feign liveness). Only the PONG of
+// the outstanding PING counts, once.
+func TestVLLMPongAnswersOnlyItsPing(t *testing.T) {
+	var cc ctrlConn
+	ctx := func(seq uint64) []byte { return binary.BigEndian.AppendUint64(nil, seq) }
+	if _, ok := cc.answers(ctx(0)); ok {
+		t.Error("a zero PONG with no PING outstanding counted")
+	}
+	cc.pingOut.Store(7)
+	if _, ok := cc.answers(ctx(6)); ok {
+		t.Error("a PONG of another PING counted")
+	}
+	if seq, ok := cc.answers(ctx(7)); !ok || seq != 7 {
+		t.Error("the outstanding PING's PONG did not count")
+	}
+	if _, ok := cc.answers(ctx(7)); ok {
+		t.Error("the same PONG counted twice")
 	}
 }

@@ -329,6 +329,10 @@ func (z *Conn) command(name string, body []byte) error {
 		}
 		return z.writeCommand("PONG", body[2:]) // echo its context
 	case "PONG":
+		if len(body) > 16 { // a PING's context is at most 16 bytes, and so its echo
+			return protoErr("a PONG of %d bytes", len(body))
+		}
+		body = bytes.Clone(body) // not the read buffer, kept for the connection's life
 		z.pongMu.Lock()
 		z.pong, z.pongAt = body, time.Now()
 		f := z.onPong

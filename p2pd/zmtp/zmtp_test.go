@@ -275,3 +275,22 @@ func TestEmptyIdentityIsNone(t *testing.T) {
 		t.Errorf("identity %q (%v), want none", z.PeerIdentity(), err)
 	}
 }
+
+// Found in review: a PONG's context was not bounded as a PING's is (16
+// bytes) and was kept, as a slice of the read buffer, for the
+// connection's life: one 64 KiB PONG pinned a whole buffer. A longer one
+// is a protocol error; what is kept is a copy.
+func TestPongContext(t *testing.T) {
+	pong := func(ctx []byte) []byte { return appendFrame(nil, flagCommand, append(append([]byte{4}, "PONG"...), ctx...)) }
+	z := &Conn{c: discard{}, r: bufio.NewReader(bytes.NewReader(append(pong(make([]byte, 17)), 0, 1, 'x'))), maxMsg: 1024}
+	if _, err := z.ReadMessage(); !errors.Is(err, ErrProtocol) {
+		t.Errorf("a 17-byte PONG context: %v, want ErrProtocol", err)
+	}
+	z = &Conn{c: discard{}, r: bufio.NewReader(bytes.NewReader(append(pong([]byte("12345678")), 0, 1, 'x'))), maxMsg: 1024}
+	if _, err := z.ReadMessage(); err != nil {
+		t.Fatal(err)
+	}
+	if _, ctx := z.LastPong(); string(ctx) != "12345678" || cap(ctx) > 16 {
+		t.Errorf("kept PONG context %q (cap %d), want a copy of 8 bytes", ctx, cap(ctx))
+	}
+}
