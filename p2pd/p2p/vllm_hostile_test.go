@@ -128,7 +128,7 @@ func TestVLLMAckBeforeConnect(t *testing.T) {
 		p.send(vllmwire.Msg{Type: vllmwire.TypeConnectAck, PeerID: p.id}) // before it saw the node's connect
 		keys := vkeys(testKeys(7, 256))
 		for i := range 64 {
-			p.send(vllmwire.Msg{Type: vllmwire.TypeLookup, KVRequestID: fmt.Sprint("kv", i), RoundSeq: 1, Keys: keys})
+			p.dealer.WriteMessage(vllmwire.Encode(nil, vllmwire.Msg{Type: vllmwire.TypeLookup, KVRequestID: fmt.Sprint("kv", i), RoundSeq: 1, Keys: keys})) // fails once the node closed it
 		}
 		synctest.Wait()
 		pre, alive, ready := 0, false, false

@@ -1,7 +1,9 @@
 package p2p
 
 import (
+	"errors"
 	"net"
+	"os"
 	"testing"
 	"testing/synctest"
 	"time"
@@ -253,6 +255,27 @@ func TestVLLMNewSessionTakesDialInFlight(t *testing.T) {
 				c.Close()
 			}
 		default:
+		}
+	})
+}
+
+// The in-memory network honours write deadlines as TCP does (found in
+// review: a write to a peer that stopped reading waited past its deadline,
+// so closeConn's deadline could not wake a writer in these tests).
+func TestZPipeWriteDeadline(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		a, b := net.Pipe()
+		defer b.Close()
+		p := newZPipe(a)
+		defer p.Close()
+		p.SetWriteDeadline(time.Now().Add(time.Second))
+		start := time.Now()
+		var err error
+		for err == nil && time.Since(start) < time.Minute { // nobody reads b: the queue fills
+			_, err = p.Write([]byte("x"))
+		}
+		if !errors.Is(err, os.ErrDeadlineExceeded) || time.Since(start) != time.Second {
+			t.Errorf("a write to a peer that does not read: %v after %v, want the deadline's error after 1s", err, time.Since(start))
 		}
 	})
 }

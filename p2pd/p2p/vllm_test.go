@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"os"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -639,14 +640,17 @@ func (l zListener) Accept() (net.Conn, error) {
 
 type zPipe struct {
 	net.Conn
-	q       chan []byte
-	closing chan struct{}
-	once    sync.Once
+	q        chan []byte
+	closing  chan struct{}
+	failed   chan struct{} // the pump's write failed: nothing more goes out
+	once     sync.Once
+	deadline atomic.Pointer[time.Time]
 }
 
 func newZPipe(c net.Conn) *zPipe {
-	p := &zPipe{Conn: c, q: make(chan []byte, 64), closing: make(chan struct{})}
+	p := &zPipe{Conn: c, q: make(chan []byte, 64), closing: make(chan struct{}), failed: make(chan struct{})}
 	go func() {
+		defer close(p.failed)
 		defer c.Close()
 		for {
 			select {
@@ -671,18 +675,43 @@ func newZPipe(c net.Conn) *zPipe {
 	return p
 }
 
+// Write queues b; with the queue full it waits, until the write deadline
+// as a TCP write would (os.ErrDeadlineExceeded), and a pipe whose pump
+// failed (or that closed) refuses it.
 func (p *zPipe) Write(b []byte) (int, error) {
 	select {
 	case <-p.closing:
 		return 0, net.ErrClosed
+	case <-p.failed:
+		return 0, net.ErrClosed
 	default:
+	}
+	var timeout <-chan time.Time
+	if d := p.deadline.Load(); d != nil && !d.IsZero() {
+		t := time.NewTimer(time.Until(*d))
+		defer t.Stop()
+		timeout = t.C
 	}
 	select {
 	case p.q <- append([]byte(nil), b...):
 		return len(b), nil
 	case <-p.closing:
 		return 0, net.ErrClosed
+	case <-p.failed:
+		return 0, net.ErrClosed
+	case <-timeout:
+		return 0, os.ErrDeadlineExceeded
 	}
+}
+
+func (p *zPipe) SetWriteDeadline(t time.Time) error {
+	p.deadline.Store(&t)
+	return p.Conn.SetWriteDeadline(t)
+}
+
+func (p *zPipe) SetDeadline(t time.Time) error {
+	p.deadline.Store(&t)
+	return p.Conn.SetDeadline(t)
 }
 
 // Close lets the queue drain (within a second, if the peer reads) and

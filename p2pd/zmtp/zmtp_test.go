@@ -281,7 +281,9 @@ func TestEmptyIdentityIsNone(t *testing.T) {
 // connection's life: one 64 KiB PONG pinned a whole buffer. A longer one
 // is a protocol error; what is kept is a copy.
 func TestPongContext(t *testing.T) {
-	pong := func(ctx []byte) []byte { return appendFrame(nil, flagCommand, append(append([]byte{4}, "PONG"...), ctx...)) }
+	pong := func(ctx []byte) []byte {
+		return appendFrame(nil, flagCommand, append(append([]byte{4}, "PONG"...), ctx...))
+	}
 	z := &Conn{c: discard{}, r: bufio.NewReader(bytes.NewReader(append(pong(make([]byte, 17)), 0, 1, 'x'))), maxMsg: 1024}
 	if _, err := z.ReadMessage(); !errors.Is(err, ErrProtocol) {
 		t.Errorf("a 17-byte PONG context: %v, want ErrProtocol", err)
