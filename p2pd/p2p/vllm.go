@@ -103,8 +103,9 @@ const (
 	// answer, if it comes, is dropped (its keys then miss at lookup_timeout).
 	vllmMaxAsked = 1024
 	// vllmMaxBlocks bounds a peer's num_blocks: the data plane prepares a
-	// descriptor for each (4 Mi slots of 1.75 MiB are 7 TiB).
-	vllmMaxBlocks = 1 << 22
+	// descriptor for each, under the manager lock (NIXL took 135 – 200 ms
+	// for 4 Mi here, found in review; 1 Mi slots of 1.75 MiB are 1.75 TiB).
+	vllmMaxBlocks = 1 << 20
 	// vllmMaxMsg bounds one message on vLLM's wire: a lookup or fetch of
 	// vllmwire.MaxList keys takes under 4 MiB, a connect's NIXL metadata
 	// a few KiB.
