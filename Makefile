@@ -115,6 +115,7 @@ fuzz:
 	$(OFFLINE) $(GO) test -run '^$$' -fuzz '^FuzzReadFrame$$' -fuzztime $(FUZZTIME) github.com/kvtier/kvtier/p2pd/wire
 	$(OFFLINE) $(GO) test -run '^$$' -fuzz '^FuzzSession$$' -fuzztime $(FUZZTIME) github.com/kvtier/kvtier/p2pd/p2p
 	$(OFFLINE) $(GO) test -run '^$$' -fuzz '^FuzzVLLMSession$$' -fuzztime $(FUZZTIME) github.com/kvtier/kvtier/p2pd/p2p
+	$(OFFLINE) $(GO) test -run '^$$' -fuzz '^FuzzCheckNIXLMeta$$' -fuzztime $(FUZZTIME) github.com/kvtier/kvtier/p2pd/p2p
 	$(OFFLINE) $(GO) test -run '^$$' -fuzz '^FuzzTokenIDs$$' -fuzztime $(FUZZTIME) github.com/kvtier/kvtier/p2pd/node
 	$(OFFLINE) $(GO) test -run '^$$' -fuzz '^FuzzUpdate$$' -fuzztime $(FUZZTIME) github.com/kvtier/kvtier/offload/crc32c
 	$(OFFLINE) $(GO) test -run '^$$' -fuzz '^FuzzDecode$$' -fuzztime $(FUZZTIME) github.com/kvtier/kvtier/p2pd/vllmwire
