@@ -222,18 +222,7 @@ func TestVLLMSourceCheck(t *testing.T) {
 	id := ln.Addr().String()
 	for _, check := range []bool{true, false} {
 		n := newVNode(t, nil, "none", func(c *Config) { c.VLLMSourceCheck = check })
-		c, err := net.DialTimeout("tcp", n.tier.Addr(), 5*time.Second)
-		if err != nil {
-			t.Fatal(err)
-		}
-		c.SetDeadline(time.Now().Add(10 * time.Second))
-		z, err := zmtp.Handshake(c, zmtp.Dealer, []byte(id), 8<<20) // from 127.0.0.1
-		if err != nil {
-			t.Fatal(err)
-		}
-		m := vllmwire.Msg{Type: vllmwire.TypeConnect, PeerID: id, AgentMetadata: []byte{}, NumBlocks: 1,
-			BlockLen: uint64(n.m.BlockBytes()), HashSeed: offload.VLLMDefaultSeed}
-		z.WriteMessage(vllmwire.Encode(nil, m))
+		c, z := tcpConnect(t, n, n.tier.Addr(), id) // from 127.0.0.1
 		if check {
 			if _, err := z.ReadMessage(); err == nil || errors.Is(err, os.ErrDeadlineExceeded) {
 				t.Fatalf("a claim of 127.0.0.2's identity from 127.0.0.1: %v, want the connection closed", err)
@@ -365,18 +354,8 @@ func TestVLLMSourceCheckSameHost(t *testing.T) {
 		id := net.JoinHostPort("localhost", port)
 		np := freePortOf(t, "0.0.0.0")
 		n := newVNode(t, nil, "none", func(c *Config) { c.Listen, c.Advertise = "0.0.0.0:"+np, far+":"+np })
-		c, err := net.DialTimeout("tcp", n.tier.Addr(), 5*time.Second)
-		if err != nil {
-			t.Fatal(err)
-		}
+		c, _ := tcpConnect(t, n, n.tier.Addr(), id)
 		defer c.Close()
-		c.SetDeadline(time.Now().Add(10 * time.Second))
-		z, err := zmtp.Handshake(c, zmtp.Dealer, []byte(id), 8<<20)
-		if err != nil {
-			t.Fatal(err)
-		}
-		z.WriteMessage(vllmwire.Encode(nil, vllmwire.Msg{Type: vllmwire.TypeConnect, PeerID: id, AgentMetadata: []byte{}, NumBlocks: 1,
-			BlockLen: uint64(n.m.BlockBytes()), HashSeed: offload.VLLMDefaultSeed}))
 		router.(*net.TCPListener).SetDeadline(time.Now().Add(5 * time.Second))
 		back, err := router.Accept()
 		if err != nil {
@@ -443,18 +422,8 @@ func dealerThenPipe(t *testing.T, n *node, router net.Listener, id, dialAddr str
 	if _, err := zb.ReadMessage(); err != nil { // the node's connect
 		t.Fatal(err)
 	}
-	c, err := net.DialTimeout("tcp", dialAddr, 5*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
+	c, _ := tcpConnect(t, n, dialAddr, id)
 	defer c.Close()
-	c.SetDeadline(time.Now().Add(10 * time.Second))
-	z, err := zmtp.Handshake(c, zmtp.Dealer, []byte(id), 8<<20)
-	if err != nil {
-		t.Fatal(err)
-	}
-	z.WriteMessage(vllmwire.Encode(nil, vllmwire.Msg{Type: vllmwire.TypeConnect, PeerID: id, AgentMetadata: []byte{}, NumBlocks: 1,
-		BlockLen: uint64(n.m.BlockBytes()), HashSeed: offload.VLLMDefaultSeed}))
 	parts, err := zb.ReadMessage()
 	if err != nil {
 		t.Fatalf("no connect_ack (%v); auth rejects %v", err, rejectsOf(n, "auth"))
@@ -484,4 +453,22 @@ func TestVLLMPongAnswersOnlyItsPing(t *testing.T) {
 	if _, ok := cc.answers(ctx(7)); ok {
 		t.Error("the same PONG counted twice")
 	}
+}
+
+// tcpConnect dials addr over TCP as a vLLM DEALER of identity id and
+// sends a connect that fits node n (real sockets, 10 s deadlines).
+func tcpConnect(t *testing.T, n *node, addr, id string) (net.Conn, *zmtp.Conn) {
+	t.Helper()
+	c, err := net.DialTimeout("tcp", addr, 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.SetDeadline(time.Now().Add(10 * time.Second))
+	z, err := zmtp.Handshake(c, zmtp.Dealer, []byte(id), 8<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	z.WriteMessage(vllmwire.Encode(nil, vllmwire.Msg{Type: vllmwire.TypeConnect, PeerID: id, AgentMetadata: []byte{}, NumBlocks: 1,
+		BlockLen: uint64(n.m.BlockBytes()), HashSeed: offload.VLLMDefaultSeed}))
+	return c, z
 }

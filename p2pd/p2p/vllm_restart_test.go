@@ -175,24 +175,7 @@ func TestVLLMRestartWhileDialling(t *testing.T) {
 		p.dial(n.tier.Addr())
 		p.send(p.connectMsg(n)) // the peer's new session
 		synctest.Wait()
-		p.accept(n.tier.Addr())
-		extra := make(chan net.Conn, 1)
-		go func() { c, _ := p.ln.Accept(); extra <- c }()
-		p.expect(vllmwire.TypeConnect)
-		p.expect(vllmwire.TypeConnectAck)
-		p.send(vllmwire.Msg{Type: vllmwire.TypeConnectAck, PeerID: p.id})
-		synctest.Wait()
-		if readyPeers(n) != 1 {
-			t.Fatal("the new session is not ready on the inherited DEALER")
-		}
-		select {
-		case c := <-extra:
-			if c != nil {
-				t.Error("the node dialled the peer a second time")
-				c.Close()
-			}
-		default:
-		}
+		onlyDial(t, n, p)
 	})
 }
 
@@ -208,16 +191,7 @@ func TestVLLMRestartTwiceWhileDialling(t *testing.T) {
 			p.send(p.connectMsg(n))
 			synctest.Wait()
 		}
-		p.accept(n.tier.Addr())
-		if m := p.next(); m.Type != vllmwire.TypeConnect {
-			t.Fatalf("the node's DEALER sent %q (closed: %v); want connect for the newest session", m.Type, m.Type == "")
-		}
-		p.expect(vllmwire.TypeConnectAck)
-		p.send(vllmwire.Msg{Type: vllmwire.TypeConnectAck, PeerID: p.id})
-		synctest.Wait()
-		if readyPeers(n) != 1 {
-			t.Fatal("the newest session is not ready")
-		}
+		onlyDial(t, n, p)
 	})
 }
 
@@ -238,24 +212,7 @@ func TestVLLMNewSessionTakesDialInFlight(t *testing.T) {
 		p.dial(n.tier.Addr())
 		p.send(p.connectMsg(n))
 		synctest.Wait()
-		p.accept(n.tier.Addr())
-		extra := make(chan net.Conn, 1)
-		go func() { c, _ := p.ln.Accept(); extra <- c }()
-		p.expect(vllmwire.TypeConnect)
-		p.expect(vllmwire.TypeConnectAck)
-		p.send(vllmwire.Msg{Type: vllmwire.TypeConnectAck, PeerID: p.id})
-		synctest.Wait()
-		if readyPeers(n) != 1 {
-			t.Fatal("the new session is not ready")
-		}
-		select {
-		case c := <-extra:
-			if c != nil {
-				t.Error("the node dialled the peer a second time")
-				c.Close()
-			}
-		default:
-		}
+		onlyDial(t, n, p)
 	})
 }
 
@@ -278,4 +235,31 @@ func TestZPipeWriteDeadline(t *testing.T) {
 			t.Errorf("a write to a peer that does not read: %v after %v, want the deadline's error after 1s", err, time.Since(start))
 		}
 	})
+}
+
+// onlyDial takes the node's one DEALER dial to p (after sessions of p's
+// identity came and went while it dialled): on it connect and connect_ack
+// for the newest session, which becomes ready; no second dial comes.
+func onlyDial(t *testing.T, n *node, p *vpeer) {
+	t.Helper()
+	p.accept(n.tier.Addr())
+	extra := make(chan net.Conn, 1)
+	go func() { c, _ := p.ln.Accept(); extra <- c }()
+	if m := p.next(); m.Type != vllmwire.TypeConnect {
+		t.Fatalf("the node's DEALER sent %q (closed: %v); want connect for the newest session", m.Type, m.Type == "")
+	}
+	p.expect(vllmwire.TypeConnectAck)
+	p.send(vllmwire.Msg{Type: vllmwire.TypeConnectAck, PeerID: p.id})
+	synctest.Wait()
+	if readyPeers(n) != 1 {
+		t.Fatal("the newest session is not ready on the DEALER the node dialled")
+	}
+	select {
+	case c := <-extra:
+		if c != nil {
+			t.Error("the node dialled the peer a second time")
+			c.Close()
+		}
+	default:
+	}
 }
