@@ -138,14 +138,16 @@ check-cuda:
 	nvcc $(NVCC_FLAGS) -o $$tmp/copy.fatbin $(KERNELS)/copy.cu && echo "check-cuda: kernels compile with $$(nvcc --version | tail -1)"
 	cd $(KERNELS) && sha256sum --check --quiet copy.cu.sha256
 
-## gpu-bundle: cudakv's test binary, cudakv-bench and a run script for a GPU host without Go
+## gpu-bundle: for a GPU host without Go: cudakv's test binary and cudakv-bench (run.sh), p2pd and kvbench (kvbench.sh)
 gpu-bundle:
 	rm -rf bin/gpu-bundle && mkdir -p bin/gpu-bundle/kernels
 	$(OFFLINE) $(GO) test -c -o bin/gpu-bundle/cudakv.test github.com/kvtier/kvtier/cudakv
 	$(OFFLINE) $(GO) build -o bin/gpu-bundle/ github.com/kvtier/kvtier/cudakv/cmd/cudakv-bench
+	$(OFFLINE) $(GO) build -trimpath -ldflags=-s -o bin/gpu-bundle/ github.com/kvtier/kvtier/p2pd/cmd/p2pd github.com/kvtier/kvtier/testing/cmd/kvbench
 	cp $(KERNELS)/copy.cu $(KERNELS)/copy.cu.sha256 $(KERNELS)/copy.fatbin bin/gpu-bundle/kernels/
 	cp cudakv/gpu-bundle.sh bin/gpu-bundle/run.sh
-	@echo "gpu-bundle: bin/gpu-bundle/run.sh runs the CUDA tests and B6 on a GPU host"
+	cp testing/cmd/kvbench/gpu.sh bin/gpu-bundle/kvbench.sh
+	@echo "gpu-bundle: on a GPU host, bin/gpu-bundle/run.sh runs the CUDA tests and B6, bin/gpu-bundle/kvbench.sh the daemon benchmarks (B1, B2, ...) on CUDA"
 
 clean:
 	rm -rf bin

@@ -26,11 +26,14 @@ const BlockBytes = 28 * 2 * 16 * 8 * 128 * 2
 
 // Proc is a running p2pd.
 type Proc struct {
-	Name   string
-	Cmd    *exec.Cmd
-	C      *ctl.Client
-	P2P    string // host:port
-	Slots  int
+	Name  string
+	Cmd   *exec.Cmd
+	C     *ctl.Client
+	P2P   string // host:port
+	Slots int
+	// Copies is the daemon's copy backend, from its status: "host" (the
+	// GPU cache is host memory) or "cuda: <device>".
+	Copies string
 	exited chan error
 	Log    string
 }
@@ -72,6 +75,12 @@ func Start(dir, bin, name string, slots int, extra ...string) (*Proc, error) {
 	}()
 	select {
 	case p.P2P = <-ready:
+		st, err := p.C.Status(context.Background())
+		if err != nil {
+			cmd.Process.Kill()
+			return nil, fmt.Errorf("%s: status: %w (log: %s)", name, err, logPath)
+		}
+		p.Copies = st.Copies
 		return p, nil
 	case err := <-p.exited:
 		return nil, fmt.Errorf("%s exited before ready: %v (log: %s)", name, err, logPath)
@@ -161,8 +170,14 @@ func RSS(pid int) int64 {
 	return 0
 }
 
-// RSSBeyondCaches is RSS minus the CPU arena and the GPU cache, both
-// populated at start (slots of each, page-rounded for the arena).
+// RSSBeyondCaches is RSS minus the CPU arena and, on the host backend,
+// the GPU cache, both populated at start (slots of each, page-rounded for
+// the arena). On the CUDA backend the GPU cache is device memory and the
+// driver's own host memory counts as beyond the caches.
 func (p *Proc) RSSBeyondCaches() int64 {
-	return p.RSS() - int64(p.Slots)*int64(offload.SlotStride(BlockBytes)) - int64(p.Slots)*BlockBytes
+	rss := p.RSS() - int64(p.Slots)*int64(offload.SlotStride(BlockBytes))
+	if p.Copies == "host" {
+		rss -= int64(p.Slots) * BlockBytes
+	}
+	return rss
 }

@@ -7,7 +7,11 @@
 // prints one table — project, baseline, ratio, target, verdict — and
 // writes the same as JSON.
 //
-//	kvbench [-bin bin] [-blocks 576] [-data-planes tcp,tcp+token,tcp+token+tls,nixl] [-json kvbench.json]
+//	kvbench [-bin bin] [-blocks 576] [-data-planes tcp,tcp+token,tcp+token+tls,nixl] [-json kvbench.json] [-require-copies cuda]
+//
+// On a GPU host (make gpu-bundle; sh bin/gpu-bundle/kvbench.sh) the
+// daemons' GPU caches are device memory and the whole request's CPU → GPU
+// load is a DMA copy; the table's first row names the backend.
 //
 // A data plane named with a +token suffix (before any +tls) runs with a
 // cluster token on both daemons, so every connection authenticates.
@@ -27,6 +31,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"slices"
 	"strconv"
 	"strings"
@@ -53,6 +58,11 @@ type Row struct {
 // daemonArgs are extra p2pd arguments (-p2pd-arg).
 var daemonArgs argList
 
+// requireCopies, when set, is the copy backend every daemon must report
+// (its status's "copies" starts with it): a GPU host's run fails instead
+// of measuring the host backend when the daemons found no GPU.
+var requireCopies string
+
 type argList []string
 
 func (a *argList) String() string     { return strings.Join(*a, " ") }
@@ -69,6 +79,7 @@ func main() {
 	planes := flag.String("data-planes", "tcp", "P2P data planes to measure B1 over: tcp, tcp+token (a cluster token on both daemons), tcp+tls (mutual TLS on, certificates from a throwaway CA), tcp+token+tls, nixl (needs p2pd built with make build-nixl)")
 	out := flag.String("json", "kvbench.json", "where to write the table as JSON")
 	flag.Var(&daemonArgs, "p2pd-arg", "an argument for both p2pd daemons (repeatable), e.g. -p2pd-arg=-data-conns=1")
+	flag.StringVar(&requireCopies, "require-copies", "", "fail unless every daemon's copy backend (status \"copies\") starts with this, e.g. cuda")
 	flag.Parse()
 	rows, err := run(*bin, strings.Split(*planes, ","), *blocks, *rounds)
 	print(rows)
@@ -162,6 +173,12 @@ func startPair(dir, bin, plane string, blocks int) (*pair, error) {
 		return nil, err
 	}
 	p := &pair{prod: prod, cons: cons, blocks: blocks}
+	for _, d := range []*daemon.Proc{prod, cons} {
+		if !strings.HasPrefix(d.Copies, requireCopies) {
+			p.kill()
+			return nil, fmt.Errorf("%s copies with %q, not %s (-require-copies)", d.Name, d.Copies, requireCopies)
+		}
+	}
 	if p.want, err = prod.Submit(daemon.Prompt(42, blocks, "", "")); err == nil {
 		_, err = p.fetch() // warm-up
 	}
@@ -267,6 +284,9 @@ func run(bin string, planes []string, blocks, rounds int) ([]Row, error) {
 		if i == 0 {
 			first = p
 			defer p.kill()
+			// What the numbers were measured on: the GPU cache's backend
+			// decides what the whole request's CPU → GPU load costs.
+			rows = append(rows, Row{"—", "machine: CPUs; copy backend of both daemons", fmt.Sprintf("%d CPUs; %s", runtime.NumCPU(), p.cons.Copies), "", "", "", ""})
 		} else {
 			p.kill()
 		}
@@ -382,8 +402,10 @@ func run(bin string, planes []string, blocks, rounds int) ([]Row, error) {
 		return rows, err
 	}
 	ratio := pct(lat, 99) / pct(hogLat, 99)
+	// On a machine with 8 cores or more the p99 must also be ≤ 5 ms.
+	met := ratio <= 2 && (runtime.NumCPU() < 8 || pct(lat, 99) <= 5)
 	rows = append(rows, Row{"B2", fmt.Sprintf("pause wait, producer under fetch load (p50/p99 of %d)", pauseRuns), fmt.Sprintf("%.2f / %.2f ms", pct(lat, 50), pct(lat, 99)),
-		fmt.Sprintf("%.2f / %.2f ms with 2 CPU hogs", pct(hogLat, 50), pct(hogLat, 99)), fmt.Sprintf("%.2f", ratio), "p99 ≤ 2× hogs' (≤ 5 ms on ≥ 8 cores)", verdict(ratio <= 2)})
+		fmt.Sprintf("%.2f / %.2f ms with 2 CPU hogs", pct(hogLat, 50), pct(hogLat, 99)), fmt.Sprintf("%.2f", ratio), "p99 ≤ 2× hogs' (≤ 5 ms on ≥ 8 cores)", verdict(met)})
 	loadRSS := float64(peakRSS.Load()) / (1 << 20)
 	rows = append(rows, Row{"M1", "producer RSS beyond the caches, under fetch load", fmt.Sprintf("%.1f MiB", loadRSS), "—", "—", "< 64 MiB", verdict(loadRSS < 64)})
 
