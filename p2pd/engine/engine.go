@@ -69,8 +69,9 @@ type Request struct {
 // kv_digest kinds. The digest is computed after the prefill (elapsed_ms
 // does not include it) and off the engine loop, which goes on scheduling.
 const (
-	// DigestSHA256: SHA-256 over the request's GPU cache bytes, block by
-	// block: exact, about 1.4 GB/s per core with SHA-NI.
+	// DigestSHA256: the SHA-256 of the blocks' SHA-256s in order (a hash
+	// tree two levels deep): exact, about 1.4 GB/s a core with SHA-NI, and
+	// the blocks hash on every core but one at once.
 	DigestSHA256 = "sha256"
 	// DigestCRC32C: "crc32c:" and the SHA-256 of the blocks' CRC32Cs in
 	// order: over 10× cheaper, and any accidental difference between two
@@ -116,10 +117,11 @@ type Engine struct {
 	keys  offload.KeyScheme
 	total int
 
-	inbox chan any      // *job, pauseCmd, resumeCmd, shutdownCmd, resetCmd
-	wake  chan struct{} // copies finished
-	done  chan struct{} // the loop returned
-	wg    sync.WaitGroup
+	inbox   chan any      // *job, pauseCmd, resumeCmd, shutdownCmd, resetCmd
+	wake    chan struct{} // copies finished
+	done    chan struct{} // the loop returned
+	wg      sync.WaitGroup
+	hashing chan struct{} // a token per block being hashed for a kv_digest (digest.go)
 
 	state           atomic.Int32
 	running, queued atomic.Int32
@@ -197,7 +199,8 @@ func New(m *offload.Manager, cfg Config) (*Engine, error) {
 		}
 	}
 	e := &Engine{m: m, x: x, log: log, geo: mc.Geometry, keys: mc.KeyScheme(), total: cfg.GPUBlocks,
-		inbox: make(chan any, 64), wake: make(chan struct{}, 1), done: make(chan struct{})}
+		inbox: make(chan any, 64), wake: make(chan struct{}, 1), done: make(chan struct{}),
+		hashing: make(chan struct{}, digestWorkers())}
 	for b := cfg.GPUBlocks - 1; b >= 0; b-- {
 		e.free = append(e.free, int32(b))
 	}

@@ -218,30 +218,35 @@ func TestStoreDoneWaitsForChecksums(t *testing.T) {
 	}
 }
 
-// Issue 12: the digests read the cache in place; they still are what the
-// kinds define: SHA-256 over the blocks' bytes in order, or over their
-// CRC32Cs (big-endian), as ReadBlock sees them.
+// Issue 12: the digests read the cache in place and hash blocks in
+// parallel; they still are what the kinds define, whatever the number of
+// blocks hashed at once: the SHA-256 of the blocks' SHA-256s in order, or
+// of their CRC32Cs (big-endian), as ReadBlock sees the blocks.
 func TestDigestDefinition(t *testing.T) {
 	e, _ := newEngine(t, 64, 32)
 	if _, err := e.Submit(context.Background(), Request{ID: "a", Tokens: tokens(3, 16*4)}); err != nil {
 		t.Fatal(err)
 	}
-	gpu := []int32{0, 1, 2, 3}
+	gpu := []int32{0, 1, 2, 3, 2}
 	sha, crcs := sha256.New(), sha256.New()
 	buf := make([]byte, e.geo.BlockBytes())
 	for _, b := range gpu {
 		if err := e.x.(*reference).mv.ReadBlock(int(b), buf); err != nil {
 			t.Fatal(err)
 		}
-		sha.Write(buf)
+		sum := sha256.Sum256(buf)
+		sha.Write(sum[:])
 		crcs.Write(binary.BigEndian.AppendUint32(nil, crc32.Checksum(buf, crc32c.Table)))
 	}
-	for kind, want := range map[string]string{
-		DigestSHA256: hex.EncodeToString(sha.Sum(nil)),
-		DigestCRC32C: "crc32c:" + hex.EncodeToString(crcs.Sum(nil)),
-	} {
-		if got, err := e.digestOf(kind, gpu); err != nil || got != want {
-			t.Errorf("digest %s = %q, %v; want %q", kind, got, err, want)
+	for _, workers := range []int{1, 2, 8} {
+		e.hashing = make(chan struct{}, workers) // no digest runs meanwhile: Submit answered after its own
+		for kind, want := range map[string]string{
+			DigestSHA256: hex.EncodeToString(sha.Sum(nil)),
+			DigestCRC32C: "crc32c:" + hex.EncodeToString(crcs.Sum(nil)),
+		} {
+			if got, err := e.digestOf(kind, gpu); err != nil || got != want {
+				t.Errorf("digest %s, %d at once = %q, %v; want %q", kind, workers, got, err, want)
+			}
 		}
 	}
 }

@@ -2,15 +2,11 @@ package engine
 
 import (
 	"context"
-	"crypto/sha256"
-	"encoding/binary"
-	"encoding/hex"
 	"fmt"
 	"slices"
 	"time"
 
 	"github.com/kvtier/kvtier/offload"
-	"github.com/kvtier/kvtier/offload/crc32c"
 	"github.com/kvtier/kvtier/p2pd/api"
 )
 
@@ -555,32 +551,6 @@ func (e *Engine) answer(j *job) {
 		res.KVDigest = d
 		reply <- jobReply{res: res}
 	})
-}
-
-// digestOf computes a kv_digest over GPU blocks.
-func (e *Engine) digestOf(kind string, gpu []int32) (string, error) {
-	h := sha256.New()
-	var crc uint32
-	var sum [4]byte
-	each := func(p []byte) { h.Write(p) }
-	if kind == DigestCRC32C {
-		each = func(p []byte) { crc = crc32c.Update(crc, p) }
-	}
-	for _, b := range gpu {
-		crc = 0
-		// In place on the host backend: no copy of the cache (issue 12).
-		if err := e.x.Visit(b, each); err != nil {
-			return "", err
-		}
-		if kind == DigestCRC32C {
-			h.Write(binary.BigEndian.AppendUint32(sum[:0], crc))
-		}
-	}
-	d := hex.EncodeToString(h.Sum(nil))
-	if kind == DigestCRC32C {
-		d = "crc32c:" + d
-	}
-	return d, nil
 }
 
 // digesting says whether the job's digest goroutine still reads its GPU
