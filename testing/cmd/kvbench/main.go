@@ -234,27 +234,34 @@ func (p *pair) wallRate(rounds int, digest string) (float64, error) {
 	return median(rs), nil
 }
 
-// rates runs rounds timed fetches and returns the median GB/s of the P2P
-// tier's own transfer time (promotion job submitted → result: fetch, data
-// plane, checksums), from the consumer's metrics, and of the whole
-// request (lookups, fetch and the CPU → GPU load).
-func (p *pair) rates(rounds int) (project, whole float64, err error) {
+// rates runs rounds timed fetches, each followed by a round of the plain
+// TCP baseline (B1 alternates them, so both see the same machine), and
+// returns the median GB/s of the P2P tier's own transfer time (promotion
+// job submitted → result: fetch, data plane, checksums), from the
+// consumer's metrics, of the whole request (lookups, fetch and the CPU →
+// GPU load), and of the baseline.
+func (p *pair) rates(rounds int, plain *plainBase) (project, whole, base float64, err error) {
 	total := float64(p.blocks * daemon.BlockBytes)
-	var ps, ws []float64
+	var ps, ws, bs []float64
 	for range rounds {
 		s0, err := p2pReadSeconds(p.cons)
 		if err != nil {
-			return 0, 0, err
+			return 0, 0, 0, err
 		}
 		r, err := p.fetch()
 		if err != nil {
-			return 0, 0, err
+			return 0, 0, 0, err
 		}
 		s1, _ := p2pReadSeconds(p.cons)
 		ps = append(ps, total/(s1-s0)/1e9)
 		ws = append(ws, total/(r.ElapsedMS/1000)/1e9)
+		d, err := plain.round()
+		if err != nil {
+			return 0, 0, 0, err
+		}
+		bs = append(bs, total/d.Seconds()/1e9)
 	}
-	return median(ps), median(ws), nil
+	return median(ps), median(ws), median(bs), nil
 }
 
 func run(bin string, planes []string, blocks, rounds int) ([]Row, error) {
@@ -268,46 +275,40 @@ func run(bin string, planes []string, blocks, rounds int) ([]Row, error) {
 	total := float64(blocks * daemon.BlockBytes)
 	ctx := context.Background()
 
-	// B1, over each data plane; the first plane's pair stays for the rest.
-	type rate struct {
-		plane          string
-		project, whole float64
+	// B1, over each data plane, alternating with the plain TCP baseline;
+	// the first plane's pair stays for the rest.
+	plain, err := startPlain(int(total), 4, len(planes)*rounds)
+	if err != nil {
+		return rows, err
 	}
-	var rs []rate
+	defer plain.close()
 	var first *pair
+	var b float64 // the first plane's baseline, for the rows after B1
 	for i, plane := range planes {
 		p, err := startPair(dir, bin, plane, blocks)
 		if err != nil {
 			return rows, fmt.Errorf("data plane %s: %w", plane, err)
 		}
-		pr, wr, err := p.rates(rounds)
 		if i == 0 {
 			first = p
 			defer p.kill()
 			// What the numbers were measured on: the GPU cache's backend
 			// decides what the whole request's CPU → GPU load costs.
 			rows = append(rows, Row{"—", "machine: CPUs; copy backend of both daemons", fmt.Sprintf("%d CPUs; %s", runtime.NumCPU(), p.cons.Copies), "", "", "", ""})
-		} else {
+		}
+		pr, wr, base, err := p.rates(rounds, plain)
+		if i > 0 {
 			p.kill()
 		}
 		if err != nil {
 			return rows, fmt.Errorf("data plane %s: %w", plane, err)
 		}
-		rs = append(rs, rate{plane, pr, wr})
-	}
-	ds, err := plainTCP(int(total), 4, rounds)
-	if err != nil {
-		return rows, err
-	}
-	var base []float64
-	for _, d := range ds {
-		base = append(base, total/d.Seconds()/1e9)
-	}
-	b := median(base)
-	for _, r := range rs {
-		rows = append(rows, Row{"B1", fmt.Sprintf("P2P fetch over %s, %d blocks, two processes (median of %d)", r.plane, blocks, rounds),
-			fmt.Sprintf("%.2f GB/s", r.project), fmt.Sprintf("%.2f GB/s plain TCP", b), fmt.Sprintf("%.2f", r.project/b), "≥ 0.9", verdict(r.project/b >= 0.9)})
-		rows = append(rows, Row{"B1", "  the whole request (lookups, fetch, CPU → GPU load)", fmt.Sprintf("%.2f GB/s", r.whole), "", fmt.Sprintf("%.2f", r.whole/b), "", ""})
+		if i == 0 {
+			b = base
+		}
+		rows = append(rows, Row{"B1", fmt.Sprintf("P2P fetch over %s, %d blocks, two processes (median of %d, alternating)", plane, blocks, rounds),
+			fmt.Sprintf("%.2f GB/s", pr), fmt.Sprintf("%.2f GB/s plain TCP", base), fmt.Sprintf("%.3f", pr/base), "≥ 0.9", verdict(pr/base >= 0.9)})
+		rows = append(rows, Row{"B1", "  the whole request (lookups, fetch, CPU → GPU load)", fmt.Sprintf("%.2f GB/s", wr), "", fmt.Sprintf("%.2f", wr/base), "", ""})
 	}
 	// The whole request as its client sees it, with each kind of digest,
 	// on the first plane's daemons.
@@ -453,56 +454,75 @@ func p2pReadSeconds(p *daemon.Proc) (float64, error) {
 	return 0, fmt.Errorf("no %s in the consumer's metrics", name)
 }
 
-// plainTCP sends n bytes over conns loopback connections to a sink in
-// another process, rounds+1 times over new connections each (the first
-// warms both processes' buffers up, like p2pd's warm-up fetch), and
-// returns how long each timed round took until the sink had every byte.
-func plainTCP(n, conns, rounds int) ([]time.Duration, error) {
+// plainBase is B1's baseline: n bytes over conns loopback connections to
+// a sink in another process, a round at a time over new connections.
+type plainBase struct {
+	ln    net.Listener
+	cmd   *exec.Cmd
+	buf   []byte
+	conns int
+}
+
+// startPlain starts the sink for rounds timed rounds and runs one untimed
+// round first, which warms both processes' buffers up like p2pd's warm-up
+// fetch.
+func startPlain(n, conns, rounds int) (*plainBase, error) {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		return nil, err
 	}
-	defer ln.Close()
 	self, err := os.Executable()
 	if err != nil {
+		ln.Close()
 		return nil, err
 	}
 	cmd := exec.Command(self, "sink", ln.Addr().String(), strconv.Itoa(conns), strconv.Itoa(n/conns), strconv.Itoa(rounds+1))
 	cmd.Stderr = os.Stderr
 	if err := cmd.Start(); err != nil {
+		ln.Close()
 		return nil, err
 	}
-	defer cmd.Wait()
-	buf := make([]byte, n/conns)
-	for i := range buf {
-		buf[i] = byte(i)
+	p := &plainBase{ln: ln, cmd: cmd, buf: make([]byte, n/conns), conns: conns}
+	for i := range p.buf {
+		p.buf[i] = byte(i)
 	}
-	var out []time.Duration
-	for r := range rounds + 1 {
-		var cs []net.Conn
-		for range conns {
-			c, err := ln.Accept()
-			if err != nil {
-				return nil, err
-			}
-			cs = append(cs, c)
-		}
-		t0 := time.Now()
-		var wg sync.WaitGroup
-		for _, c := range cs {
-			wg.Go(func() {
-				c.Write(buf)
-				var ack [1]byte
-				io.ReadFull(c, ack[:])
-				c.Close()
-			})
-		}
-		wg.Wait()
-		if r > 0 {
-			out = append(out, time.Since(t0))
-		}
+	if _, err := p.round(); err != nil {
+		p.close()
+		return nil, err
 	}
-	return out, nil
+	return p, nil
+}
+
+// round times one round: until the sink had every byte.
+func (p *plainBase) round() (time.Duration, error) {
+	var cs []net.Conn
+	for range p.conns {
+		c, err := p.ln.Accept()
+		if err != nil {
+			return 0, err
+		}
+		cs = append(cs, c)
+	}
+	t0 := time.Now()
+	var wg sync.WaitGroup
+	for _, c := range cs {
+		wg.Go(func() {
+			c.Write(p.buf)
+			var ack [1]byte
+			io.ReadFull(c, ack[:])
+			c.Close()
+		})
+	}
+	wg.Wait()
+	return time.Since(t0), nil
+}
+
+// close stops the sink (it has rounds left if a run failed) and waits
+// for it.
+func (p *plainBase) close() {
+	p.ln.Close()
+	p.cmd.Process.Kill()
+	p.cmd.Wait()
 }
 
 // sink is the baseline's receiving process: for each round it dials conns
