@@ -29,6 +29,9 @@ func digestWorkers() int { return max(1, runtime.GOMAXPROCS(0)-1) }
 // instead of multiplying the goroutines that run. The goroutines end with
 // the blocks (or the first error) and are joined before it returns.
 func (e *Engine) digestOf(kind string, gpu []int32) (string, error) {
+	if cap(e.hashing) == 0 {
+		panic("engine: a digest without hashing tokens (an Engine not made by New)")
+	}
 	size := sha256.Size
 	if kind == DigestCRC32C {
 		size = 4
@@ -36,31 +39,44 @@ func (e *Engine) digestOf(kind string, gpu []int32) (string, error) {
 	leaves := make([]byte, len(gpu)*size)
 	var next atomic.Int64
 	var failed atomic.Bool
-	errs := make([]error, min(cap(e.hashing), len(gpu)))
+	type failure struct {
+		block int
+		err   error
+	}
+	fails := make([]failure, min(cap(e.hashing), len(gpu)))
 	var wg sync.WaitGroup
-	for w := range errs {
+	for w := range fails {
 		wg.Go(func() {
 			h := sha256.New()
-			for !failed.Load() {
+			for {
 				i := int(next.Add(1)) - 1
 				if i >= len(gpu) {
 					return
 				}
 				e.hashing <- struct{}{}
+				if failed.Load() { // another block failed while this one waited
+					<-e.hashing
+					return
+				}
 				err := e.leaf(kind, h, gpu[i], leaves[i*size:(i+1)*size:(i+1)*size])
 				<-e.hashing
 				if err != nil {
-					errs[w] = err
+					fails[w] = failure{i, err}
 					failed.Store(true)
+					return
 				}
 			}
 		})
 	}
 	wg.Wait()
-	for _, err := range errs {
-		if err != nil {
-			return "", err
+	var first *failure // the earliest block's, whichever hasher met it
+	for w := range fails {
+		if f := &fails[w]; f.err != nil && (first == nil || f.block < first.block) {
+			first = f
 		}
+	}
+	if first != nil {
+		return "", first.err
 	}
 	sum := sha256.Sum256(leaves)
 	d := hex.EncodeToString(sum[:])

@@ -2,6 +2,7 @@ package engine
 
 import (
 	"errors"
+	"fmt"
 	"runtime"
 	"sync"
 	"sync/atomic"
@@ -13,7 +14,7 @@ import (
 )
 
 // gatedVisits is an executor whose Visit counts its callers and holds
-// each until gate is closed; block fail fails.
+// each until gate is closed; block fail fails at once.
 type gatedVisits struct {
 	Executor
 	gate         chan struct{}
@@ -25,15 +26,15 @@ type gatedVisits struct {
 var errVisit = errors.New("visit failed")
 
 func (g *gatedVisits) Visit(gpu int32, fn func([]byte)) error {
+	g.visited.Store(gpu, true)
+	if gpu == g.fail {
+		return errVisit // at once, gate or not
+	}
 	n := g.inside.Add(1)
 	defer g.inside.Add(-1)
 	for m := g.most.Load(); n > m && !g.most.CompareAndSwap(m, n); m = g.most.Load() {
 	}
 	<-g.gate
-	g.visited.Store(gpu, true)
-	if gpu == g.fail {
-		return errVisit
-	}
 	fn([]byte{byte(gpu)})
 	return nil
 }
@@ -75,27 +76,59 @@ func TestDigestsShareWorkers(t *testing.T) {
 	})
 }
 
-// A block that cannot be read fails the digest with its error, and the
-// digest's goroutines end with it (synctest.Test fails on a goroutine
-// left blocked); blocks after the failure are not all read.
-func TestDigestVisitError(t *testing.T) {
+// One digest hashes as many blocks at once as there are tokens.
+func TestDigestInParallel(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		g := &gatedVisits{gate: make(chan struct{}), fail: 0}
+		g := &gatedVisits{gate: make(chan struct{}), fail: -1}
+		e := &Engine{x: g, hashing: make(chan struct{}, 4)}
+		done := make(chan error)
+		go func() {
+			_, err := e.digestOf(DigestSHA256, []int32{0, 1, 2, 3, 4, 5, 6, 7})
+			done <- err
+		}()
+		synctest.Wait()
+		if n := g.inside.Load(); n != 4 {
+			t.Errorf("one digest of 8 blocks hashes %d at once, want the 4 the tokens allow", n)
+		}
 		close(g.gate)
-		e := &Engine{x: g, hashing: make(chan struct{}, 1)}
-		gpu := make([]int32, 100)
-		for i := range gpu {
-			gpu[i] = int32(i)
-		}
-		if _, err := e.digestOf(DigestSHA256, gpu); !errors.Is(err, errVisit) {
-			t.Fatalf("digest over a failing block: %v, want %v", err, errVisit)
-		}
-		n := 0
-		g.visited.Range(func(any, any) bool { n++; return true })
-		if n != 1 {
-			t.Errorf("%d blocks read after the first failed, want 1 (one hasher stops at its error)", n)
+		if err := <-done; err != nil {
+			t.Fatal(err)
 		}
 	})
+}
+
+// A block that cannot be read fails the digest with its error, and the
+// digest's goroutines end with it (synctest.Test fails on a goroutine
+// left blocked): the hashers that were reading a block when it failed
+// finish it, and none reads another.
+func TestDigestVisitError(t *testing.T) {
+	for _, tokens := range []int{1, 3} {
+		t.Run(fmt.Sprint(tokens, " tokens"), func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				g := &gatedVisits{gate: make(chan struct{}), fail: 0}
+				e := &Engine{x: g, hashing: make(chan struct{}, tokens)}
+				gpu := make([]int32, 100)
+				for i := range gpu {
+					gpu[i] = int32(i)
+				}
+				done := make(chan error)
+				go func() {
+					_, err := e.digestOf(DigestSHA256, gpu)
+					done <- err
+				}()
+				synctest.Wait() // block 0 failed; the other hashers wait in their first block
+				close(g.gate)
+				if err := <-done; !errors.Is(err, errVisit) {
+					t.Fatalf("digest over a failing block: %v, want %v", err, errVisit)
+				}
+				n := 0
+				g.visited.Range(func(any, any) bool { n++; return true })
+				if n < 1 || n > tokens {
+					t.Errorf("%d blocks read, want 1 – %d: the failing one and those in progress beside it", n, tokens)
+				}
+			})
+		})
+	}
 }
 
 // BenchmarkDigest times the exact digest (sha256) of 64 qwen3-0.6b blocks

@@ -74,7 +74,7 @@ const (
 	// the blocks hash on every core but one at once.
 	DigestSHA256 = "sha256"
 	// DigestCRC32C: "crc32c:" and the SHA-256 of the blocks' CRC32Cs in
-	// order: over 10× cheaper, and any accidental difference between two
+	// order: about 8× cheaper, and any accidental difference between two
 	// nodes' KV shows but for a 2^-32 chance per block; not proof against
 	// a forger.
 	DigestCRC32C = "crc32c"

@@ -75,7 +75,9 @@ func Start(dir, bin, name string, slots int, extra ...string) (*Proc, error) {
 	}()
 	select {
 	case p.P2P = <-ready:
-		st, err := p.C.Status(context.Background())
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		st, err := p.C.Status(ctx)
+		cancel()
 		if err != nil {
 			cmd.Process.Kill()
 			return nil, fmt.Errorf("%s: status: %w (log: %s)", name, err, logPath)

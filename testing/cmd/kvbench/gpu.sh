@@ -16,4 +16,4 @@ rc=$?
 echo "== kvbench (exit $rc)"
 [ "$rc" = 0 ] || tail -20 "$out/kvbench-progress.log"
 cat "$out/kvbench.txt"
-[ "$rc" = 0 ]
+exit "$rc"

@@ -23,6 +23,7 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -294,7 +295,11 @@ func run(bin string, planes []string, blocks, rounds int) ([]Row, error) {
 			defer p.kill()
 			// What the numbers were measured on: the GPU cache's backend
 			// decides what the whole request's CPU → GPU load costs.
-			rows = append(rows, Row{"—", "machine: CPUs; copy backend of both daemons", fmt.Sprintf("%d CPUs; %s", runtime.NumCPU(), p.cons.Copies), "", "", "", ""})
+			copies := p.prod.Copies
+			if p.cons.Copies != copies {
+				copies = "producer " + copies + ", consumer " + p.cons.Copies
+			}
+			rows = append(rows, Row{"—", "machine: CPUs; copy backend of both daemons", fmt.Sprintf("%d CPUs; %s", runtime.NumCPU(), copies), "", "", "", ""})
 		}
 		pr, wr, base, err := p.rates(rounds, plain)
 		if i > 0 {
@@ -324,7 +329,24 @@ func run(bin string, planes []string, blocks, rounds int) ([]Row, error) {
 		}
 		rows = append(rows, row)
 	}
-	prod, cons, fetch := first.prod, first.cons, first.fetch
+	prod, cons := first.prod, first.cons
+	// The load of B2, B4 and M1 asks for no digest: on a machine with many
+	// cores the consumer's digest would hash on all but one of them, beside
+	// the producer whose pauses B2 times. B1 checked the digests.
+	fetch := func() (api.Result, error) {
+		r, _, err := first.fetchDigest("none")
+		return r, err
+	}
+	// M1's target is for the host backend; on CUDA the driver's own host
+	// memory (its context, pinned staging) counts as beyond the caches.
+	m1 := func(what string, mib float64) Row {
+		r := Row{"M1", what, fmt.Sprintf("%.1f MiB", mib), "—", "—", "< 64 MiB", verdict(mib < 64)}
+		if prod.Copies != "host" {
+			r.What += " (with the CUDA driver's)"
+			r.Target, r.Verdict = "< 64 MiB on host", "—"
+		}
+		return r
+	}
 
 	// B3 and M1, idle.
 	c0, err := prod.CtxSwitches()
@@ -336,7 +358,7 @@ func run(bin string, planes []string, blocks, rounds int) ([]Row, error) {
 	cs := float64(c1-c0) / 5
 	rows = append(rows, Row{"B3", "idle producer: context switches/s, all threads, 5 s", fmt.Sprintf("%.1f/s", cs), "—", "—", "≤ 1/s", verdict(cs <= 1)})
 	idleRSS := float64(prod.RSSBeyondCaches()) / (1 << 20)
-	rows = append(rows, Row{"M1", "producer RSS beyond CPU arena and GPU cache, idle", fmt.Sprintf("%.1f MiB", idleRSS), "—", "—", "< 64 MiB", verdict(idleRSS < 64)})
+	rows = append(rows, m1("producer RSS beyond CPU arena and GPU cache, idle", idleRSS))
 
 	// B2, idle and under fetch load.
 	pauses := func() ([]float64, error) {
@@ -408,7 +430,7 @@ func run(bin string, planes []string, blocks, rounds int) ([]Row, error) {
 	rows = append(rows, Row{"B2", fmt.Sprintf("pause wait, producer under fetch load (p50/p99 of %d)", pauseRuns), fmt.Sprintf("%.2f / %.2f ms", pct(lat, 50), pct(lat, 99)),
 		fmt.Sprintf("%.2f / %.2f ms with 2 CPU hogs", pct(hogLat, 50), pct(hogLat, 99)), fmt.Sprintf("%.2f", ratio), "p99 ≤ 2× hogs' (≤ 5 ms on ≥ 8 cores)", verdict(met)})
 	loadRSS := float64(peakRSS.Load()) / (1 << 20)
-	rows = append(rows, Row{"M1", "producer RSS beyond the caches, under fetch load", fmt.Sprintf("%.1f MiB", loadRSS), "—", "—", "< 64 MiB", verdict(loadRSS < 64)})
+	rows = append(rows, m1("producer RSS beyond the caches, under fetch load", loadRSS))
 
 	// B4, with a fetch in flight: SIGTERM the producer mid-transfer.
 	done := make(chan error, 1)
@@ -457,17 +479,22 @@ func p2pReadSeconds(p *daemon.Proc) (float64, error) {
 // plainBase is B1's baseline: n bytes over conns loopback connections to
 // a sink in another process, a round at a time over new connections.
 type plainBase struct {
-	ln    net.Listener
-	cmd   *exec.Cmd
-	buf   []byte
-	conns int
+	ln     *net.TCPListener
+	cmd    *exec.Cmd
+	exited chan error // the sink's exit; its listener is closed then, so a round fails at once
+	buf    []byte
+	conns  int
 }
+
+// roundTimeout bounds a baseline round, connections accepted and every
+// byte acknowledged: a round takes well under a second.
+const roundTimeout = 60 * time.Second
 
 // startPlain starts the sink for rounds timed rounds and runs one untimed
 // round first, which warms both processes' buffers up like p2pd's warm-up
 // fetch.
 func startPlain(n, conns, rounds int) (*plainBase, error) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	ln, err := net.ListenTCP("tcp", &net.TCPAddr{IP: net.IPv4(127, 0, 0, 1)})
 	if err != nil {
 		return nil, err
 	}
@@ -482,7 +509,12 @@ func startPlain(n, conns, rounds int) (*plainBase, error) {
 		ln.Close()
 		return nil, err
 	}
-	p := &plainBase{ln: ln, cmd: cmd, buf: make([]byte, n/conns), conns: conns}
+	p := &plainBase{ln: ln, cmd: cmd, exited: make(chan error, 1), buf: make([]byte, n/conns), conns: conns}
+	go func() {
+		err := cmd.Wait()
+		ln.Close()
+		p.exited <- err
+	}()
 	for i := range p.buf {
 		p.buf[i] = byte(i)
 	}
@@ -495,34 +527,48 @@ func startPlain(n, conns, rounds int) (*plainBase, error) {
 
 // round times one round: until the sink had every byte.
 func (p *plainBase) round() (time.Duration, error) {
+	deadline := time.Now().Add(roundTimeout)
+	p.ln.SetDeadline(deadline)
 	var cs []net.Conn
+	defer func() {
+		for _, c := range cs {
+			c.Close()
+		}
+	}()
 	for range p.conns {
 		c, err := p.ln.Accept()
 		if err != nil {
-			return 0, err
+			return 0, fmt.Errorf("plain TCP baseline: the sink did not connect: %w", err)
 		}
+		c.SetDeadline(deadline)
 		cs = append(cs, c)
 	}
 	t0 := time.Now()
+	errs := make([]error, len(cs))
 	var wg sync.WaitGroup
-	for _, c := range cs {
+	for i, c := range cs {
 		wg.Go(func() {
-			c.Write(p.buf)
+			if _, err := c.Write(p.buf); err != nil {
+				errs[i] = err
+				return
+			}
 			var ack [1]byte
-			io.ReadFull(c, ack[:])
-			c.Close()
+			_, errs[i] = io.ReadFull(c, ack[:])
 		})
 	}
 	wg.Wait()
-	return time.Since(t0), nil
+	took := time.Since(t0)
+	if err := errors.Join(errs...); err != nil {
+		return 0, fmt.Errorf("plain TCP baseline: %w", err)
+	}
+	return took, nil
 }
 
 // close stops the sink (it has rounds left if a run failed) and waits
 // for it.
 func (p *plainBase) close() {
-	p.ln.Close()
 	p.cmd.Process.Kill()
-	p.cmd.Wait()
+	<-p.exited
 }
 
 // sink is the baseline's receiving process: for each round it dials conns
