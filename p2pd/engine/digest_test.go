@@ -40,8 +40,9 @@ func (g *gatedVisits) Visit(gpu int32, fn func([]byte)) error {
 }
 
 // Issue 12: concurrent digests share the engine's hashing tokens — never
-// more blocks hashed at once than digestWorkers allows, however many
-// requests' digests run — and each still gets its own blocks' digest.
+// more blocks hashed at once than there are tokens (digestWorkers in New),
+// however many requests' digests run — and each still gets its own
+// blocks' digest.
 func TestDigestsShareWorkers(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		g := &gatedVisits{gate: make(chan struct{}), fail: -1}
