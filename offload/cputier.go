@@ -12,6 +12,11 @@ type pin struct {
 	since time.Time
 }
 
+// cpuEntry is a slot's record while a key (or a detached holder) owns the
+// slot. Every slot has one record, kept in CPUTier.recs from the start, so
+// reserving, pinning and releasing blocks allocate nothing per key (issue
+// 12); a record is reused only once its slot is free, when nothing refers
+// to it any more.
 type cpuEntry struct {
 	slot    int32
 	hitAt   uint64 // stamp of the lock hold that last answered Hit
@@ -29,8 +34,9 @@ type CPUTier struct {
 	arena   *Arena
 	policy  Policy
 	entries map[Key]*cpuEntry
-	fresh   int32  // slots [fresh, N) have never been used
-	stamp   uint64 // current lock hold; see lookupProtect
+	recs    []cpuEntry // by slot: entries and detached point into it
+	fresh   int32      // slots [fresh, N) have never been used
+	stamp   uint64     // current lock hold; see lookupProtect
 	// detached holds entries that Reset removed while a writer or a reader
 	// still held them, and promotions a store superseded (reserveStore):
 	// their slots are not reused until released. Each shrinks when its
@@ -53,7 +59,7 @@ type CPUTier struct {
 
 // NewCPUTier returns an empty CPU tier over arena using policy.
 func NewCPUTier(arena *Arena, policy Policy) *CPUTier {
-	return &CPUTier{arena: arena, policy: policy, entries: make(map[Key]*cpuEntry), stamp: 1, now: time.Now}
+	return &CPUTier{arena: arena, policy: policy, entries: make(map[Key]*cpuEntry), recs: make([]cpuEntry, arena.Slots()), stamp: 1, now: time.Now}
 }
 
 // lookupProtect is Lookup that also keeps a Hit from being evicted until
@@ -109,7 +115,7 @@ func (c *CPUTier) freeSlots() int { return c.arena.Slots() - len(c.entries) - c.
 // new keys with their slots in input order and the evicted keys, or
 // ok=false and changes nothing when not enough blocks can be evicted.
 func (c *CPUTier) Reserve(keys []Key, writer Owner) (added []Key, slots []int32, evicted []Key, ok bool) {
-	return c.reserve(keys, writer, false)
+	return c.reserve(nil, nil, keys, writer, false)
 }
 
 // reserveStore is Reserve for a store of blocks the engine computed: a key
@@ -118,25 +124,30 @@ func (c *CPUTier) Reserve(keys []Key, writer Owner) (added []Key, slots []int32,
 // readable, freed only when the job commits — so a stalled promotion
 // neither keeps the computed block out nor overwrites it later.
 func (c *CPUTier) reserveStore(keys []Key, writer Owner) (added []Key, slots []int32, evicted []Key, ok bool) {
-	return c.reserve(keys, writer, true)
+	return c.reserve(nil, nil, keys, writer, true)
 }
 
-func (c *CPUTier) reserve(keys []Key, writer Owner, supersede bool) (added []Key, slots []int32, evicted []Key, ok bool) {
+// reserve is Reserve and reserveStore, appending the new keys and their
+// slots to added and slots: a caller that passes buffers of its own (a
+// promotion, one key a lookup) allocates nothing.
+func (c *CPUTier) reserve(added []Key, slots []int32, keys []Key, writer Owner, supersede bool) ([]Key, []int32, []Key, bool) {
+	base := len(added)
 	for i, k := range keys {
 		e, ok := c.entries[k]
 		if (!ok || supersede && e.writing && e.writer.Req == "") && !slices.Contains(keys[:i], k) {
 			added = append(added, k)
 		}
 	}
-	if len(added) == 0 {
-		return nil, nil, nil, true
+	if len(added) == base {
+		return added, slots, nil, true
 	}
-	if short := len(added) - c.freeSlots(); short > 0 {
+	var evicted []Key
+	if short := len(added) - base - c.freeSlots(); short > 0 {
 		evicted = c.policy.Evict(short, func(k Key) bool {
 			return c.entries[k].hitAt == c.stamp || slices.Contains(keys, k)
 		})
 		if evicted == nil {
-			return nil, nil, nil, false
+			return added[:base], slots, nil, false
 		}
 		for _, k := range evicted {
 			c.release(k)
@@ -144,7 +155,7 @@ func (c *CPUTier) reserve(keys []Key, writer Owner, supersede bool) (added []Key
 		c.evictions += uint64(len(evicted))
 		c.report(EventRemoved, evicted)
 	}
-	for _, k := range added {
+	for _, k := range added[base:] {
 		if e, ok := c.entries[k]; ok { // a promotion's write, superseded
 			c.policy.Remove(k)
 			delete(c.entries, k)
@@ -153,8 +164,7 @@ func (c *CPUTier) reserve(keys []Key, writer Owner, supersede bool) (added []Key
 		}
 	}
 	now := c.now()
-	slots = make([]int32, len(added))
-	for i, k := range added {
+	for _, k := range added[base:] {
 		var s int32
 		if n := len(c.free); n > 0 {
 			s, c.free = c.free[n-1], c.free[:n-1]
@@ -162,9 +172,11 @@ func (c *CPUTier) reserve(keys []Key, writer Owner, supersede bool) (added []Key
 			s = c.fresh
 			c.fresh++
 		}
-		slots[i] = s
+		slots = append(slots, s)
 		c.arena.ClearSum(int(s)) // its writer records the new block's (S7.2)
-		c.entries[k] = &cpuEntry{slot: s, writing: true, writer: writer, since: now}
+		e := &c.recs[s]
+		*e = cpuEntry{slot: s, writing: true, writer: writer, since: now, pins: e.pins[:0]}
+		c.entries[k] = e
 		c.policy.Insert(k)
 		c.writing++
 	}
@@ -294,7 +306,6 @@ func (c *CPUTier) Unpin(keys []Key, owner Owner) (time.Duration, error) {
 func (c *CPUTier) unpinAt(k Key, e *cpuEntry, i int) {
 	e.pins = slices.Delete(e.pins, i, i+1)
 	if len(e.pins) == 0 {
-		e.pins = nil
 		c.pinned--
 		c.policy.SetEvictable(k, true)
 	}

@@ -129,7 +129,10 @@ func (m *Manager) promoteLocked(tier int, k Key, req *Request) bool {
 	if i >= 0 {
 		id = m.mu.pending[i].ID
 	}
-	added, slots, _, ok := m.mu.cpu.Reserve([]Key{k}, JobOwner(id))
+	sc := &m.mu.promo // scratch: a promotion allocates nothing per key (issue 12)
+	sc.key[0] = k
+	added, slots, _, ok := m.mu.cpu.reserve(sc.added[:0], sc.slots[:0], sc.key[:], JobOwner(id), false)
+	sc.added, sc.slots = added[:0], slots[:0]
 	if !ok || len(added) == 0 {
 		m.mu.counters.promotionAllocFailures++
 		return false

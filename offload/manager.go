@@ -54,6 +54,11 @@ type Manager struct {
 		probes     []probe
 		probeKeys  []Key            // flushProbesLocked's scratch
 		probeFirst map[*Request]int // flushProbesLocked's scratch, emptied each pass
+		promo      struct {         // promoteLocked's scratch: one key's reservation
+			key   [1]Key
+			added []Key
+			slots []int32
+		}
 
 		// now is this hold's time (nowLocked): zero until first needed,
 		// cleared when the lock is taken.

@@ -30,11 +30,17 @@ func Update(crc uint32, p []byte) uint32 {
 		// The folded remainder is congruent to everything before it:
 		// checksumming its 16 bytes from a zero register, then the
 		// tail, gives the CRC of the whole (see fold).
-		var r [16]byte
-		for i := range 8 {
-			r[i], r[8+i] = byte(lo>>(8*i)), byte(hi>>(8*i))
+		// The 16 bytes go through the table here: a slice of them passed
+		// to hash/crc32 escapes, one allocation a call (issue 12).
+		reg := uint32(0) // crc32.Update's register for a start of ^0
+		for i := range 16 {
+			w := lo
+			if i >= 8 {
+				w = hi
+			}
+			reg = table[byte(reg)^byte(w>>(8*(i%8)))] ^ reg>>8
 		}
-		return crc32.Update(crc32.Update(^uint32(0), table, r[:]), table, p[n:])
+		return crc32.Update(^reg, table, p[n:])
 	}
 	return crc32.Update(crc, table, p)
 }

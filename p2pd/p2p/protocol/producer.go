@@ -183,7 +183,9 @@ func (p *Producer) serve(parent offload.Parent, l *lookup, now time.Time) bool {
 			}
 		} else {
 			if r == nil {
-				r = &round{id: rid, supply: map[offload.Key]supply{}, jobs: map[uint64]*offload.Job{}, pinDeadline: map[uint64]time.Time{}}
+				// Sized for the first lease: a round's supply grows once, not as
+				// its keys arrive (issue 12).
+				r = &round{id: rid, supply: make(map[offload.Key]supply, len(job.Keys)), jobs: map[uint64]*offload.Job{}, pinDeadline: map[uint64]time.Time{}}
 				p.rounds[rid] = r
 			}
 			r.jobs[job.ID] = job
