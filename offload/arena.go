@@ -61,9 +61,16 @@ func NewArena(slots, slotBytes int, opt ArenaOptions) (*Arena, error) {
 	if int64(slots) > (1<<46)/int64(stride) {
 		return nil, fmt.Errorf("offload: arena of %d slots × %d bytes is too large", slots, stride)
 	}
-	// MAP_POPULATE faults every page in now, once, rather than on the
-	// first copy into each slot (a stall in the middle of a transfer).
-	mem, err := unix.Mmap(-1, 0, slots*stride, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS|unix.MAP_POPULATE)
+	// Every page is faulted in now, once, rather than on the first copy
+	// into each slot (a stall in the middle of a transfer): by
+	// MAP_POPULATE, or, for huge pages, after the madvise — pages faulted
+	// before it are small ones and stay so (the arena once asked for huge
+	// pages after MAP_POPULATE and got none).
+	flags := unix.MAP_PRIVATE | unix.MAP_ANONYMOUS
+	if !opt.HugePages {
+		flags |= unix.MAP_POPULATE
+	}
+	mem, err := unix.Mmap(-1, 0, slots*stride, unix.PROT_READ|unix.PROT_WRITE, flags)
 	if err != nil {
 		return nil, fmt.Errorf("offload: mmap of %d bytes for the CPU arena: %w", slots*stride, err)
 	}
@@ -73,6 +80,7 @@ func NewArena(slots, slotBytes int, opt ArenaOptions) (*Arena, error) {
 		if err := unix.Madvise(mem, unix.MADV_HUGEPAGE); err != nil {
 			a.HugePagesErr = fmt.Errorf("madvise(MADV_HUGEPAGE): %w", err)
 		}
+		Populate(mem)
 	}
 	if opt.Lock {
 		if err := unix.Mlock(mem); err != nil {
@@ -82,6 +90,22 @@ func NewArena(slots, slotBytes int, opt ArenaOptions) (*Arena, error) {
 		}
 	}
 	return a, nil
+}
+
+// Populate faults in every page of mem, a fresh anonymous mapping, as
+// MAP_POPULATE would have: with MADV_POPULATE_WRITE (Linux 5.14), or by
+// writing a zero to each page where the kernel lacks it. Like
+// MAP_POPULATE it does not fail: pages it could not fault in (memory
+// short) fault on first use.
+func Populate(mem []byte) {
+	err := unix.Madvise(mem, unix.MADV_POPULATE_WRITE)
+	if err != unix.EINVAL {
+		return
+	}
+	page := os.Getpagesize()
+	for i := 0; i < len(mem); i += page {
+		mem[i] = 0
+	}
 }
 
 // Slots is the number of slots.

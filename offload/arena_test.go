@@ -2,6 +2,8 @@ package offload
 
 import (
 	"os"
+	"strconv"
+	"strings"
 	"testing"
 )
 
@@ -46,4 +48,55 @@ func TestArena(t *testing.T) {
 	if _, err := NewArena(0, 10, ArenaOptions{}); err == nil {
 		t.Error("zero slots accepted")
 	}
+}
+
+// TestArenaHugePages: an arena that asks for huge pages gets them where
+// the kernel offers transparent huge pages on request. They must be asked
+// for before the pages are faulted in: the arena once madvised after
+// MAP_POPULATE and held none (and a 1 GiB arena took ~30 ms to unmap at
+// exit instead of about one).
+func TestArenaHugePages(t *testing.T) {
+	mode, err := os.ReadFile("/sys/kernel/mm/transparent_hugepage/enabled")
+	if err != nil || !strings.Contains(string(mode), "[always]") && !strings.Contains(string(mode), "[madvise]") {
+		t.Skipf("no transparent huge pages on request here (%q, %v)", mode, err)
+	}
+	a, err := NewArena(8, 1<<20, ArenaOptions{HugePages: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Close()
+	if a.HugePagesErr != nil {
+		t.Skipf("madvise refused: %v", a.HugePagesErr)
+	}
+	if got := anonHugeKB(t, a.Base()); got < 2048 {
+		t.Fatalf("an 8 MiB arena that asked for huge pages holds %d KiB of them, want at least one 2 MiB page", got)
+	}
+}
+
+// anonHugeKB is AnonHugePages of the mapping that contains addr, from
+// /proc/self/smaps.
+func anonHugeKB(t *testing.T, addr uintptr) int {
+	b, err := os.ReadFile("/proc/self/smaps")
+	if err != nil {
+		t.Skip(err)
+	}
+	in := false
+	for _, line := range strings.Split(string(b), "\n") {
+		f := strings.Fields(line)
+		if len(f) == 0 {
+			continue
+		}
+		if lo, hi, ok := strings.Cut(f[0], "-"); ok && len(f) >= 5 {
+			l, err1 := strconv.ParseUint(lo, 16, 64)
+			h, err2 := strconv.ParseUint(hi, 16, 64)
+			in = err1 == nil && err2 == nil && uint64(addr) >= l && uint64(addr) < h
+			continue
+		}
+		if in && f[0] == "AnonHugePages:" && len(f) >= 2 {
+			kb, _ := strconv.Atoi(f[1])
+			return kb
+		}
+	}
+	t.Fatalf("no mapping in /proc/self/smaps holds %#x", addr)
+	return 0
 }
