@@ -2,8 +2,11 @@
 # Runs cudakv's tests (the CUDA cases included) and B6 on a host that has
 # only the NVIDIA driver: no Go, no CUDA toolkit. Results go to $OUT (or
 # ./results); a summary prints last. BENCH_ARGS passes flags to the bench.
+case ${OUT:-} in
+"" | /*) out=${OUT:-results} ;; # results: beside the script
+*) out=$PWD/$OUT ;;              # a relative OUT is the caller's
+esac
 cd "$(dirname "$0")" || exit 1
-out=${OUT:-results}
 mkdir -p "$out"
 {
 	nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv

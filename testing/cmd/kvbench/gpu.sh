@@ -5,8 +5,11 @@
 # on a machine with many cores, B3, B4, M1. The run fails unless both
 # daemons copy with CUDA. Results go to $OUT (or ./results);
 # KVBENCH_ARGS passes flags to kvbench (e.g. -rounds 3 -data-planes tcp).
+case ${OUT:-} in
+"" | /*) out=${OUT:-results} ;; # results: beside the script
+*) out=$PWD/$OUT ;;              # a relative OUT is the caller's
+esac
 cd "$(dirname "$0")" || exit 1
-out=${OUT:-results}
 mkdir -p "$out"
 # shellcheck disable=SC2086
 timeout 280 ./kvbench -bin "$PWD" -require-copies cuda -data-planes tcp,tcp+token -rounds 5 \
