@@ -18,6 +18,7 @@ type pin struct {
 // 12); a record is reused only once its slot is free, when nothing refers
 // to it any more.
 type cpuEntry struct {
+	gen     uint64 // which reservation of the tier this is (CPUTier.gens): a record outlives it
 	slot    int32
 	hitAt   uint64 // stamp of the lock hold that last answered Hit
 	writing bool
@@ -35,6 +36,7 @@ type CPUTier struct {
 	policy  Policy
 	entries map[Key]*cpuEntry
 	recs    []cpuEntry // by slot: entries and detached point into it
+	gens    uint64     // reservations made: the last record's gen
 	fresh   int32      // slots [fresh, N) have never been used
 	stamp   uint64     // current lock hold; see lookupProtect
 	// detached holds entries that Reset removed while a writer or a reader
@@ -175,7 +177,8 @@ func (c *CPUTier) reserve(added []Key, slots []int32, keys []Key, writer Owner, 
 		slots = append(slots, s)
 		c.arena.ClearSum(int(s)) // its writer records the new block's (S7.2)
 		e := &c.recs[s]
-		*e = cpuEntry{slot: s, writing: true, writer: writer, since: now, pins: e.pins[:0]}
+		c.gens++
+		*e = cpuEntry{gen: c.gens, slot: s, writing: true, writer: writer, since: now, pins: e.pins[:0]}
 		c.entries[k] = e
 		c.policy.Insert(k)
 		c.writing++
@@ -183,12 +186,15 @@ func (c *CPUTier) reserve(added []Key, slots []int32, keys []Key, writer Owner, 
 	return added, slots, evicted, true
 }
 
-// drop removes the ready block e of k whose bytes disagree with its
-// checksum (Scrub), reporting its removal; false when k no longer maps to
-// e or e is being written. A pinned block leaves lookups at once and its
-// slot is freed on its last unpin, as a reset does (S7.2: never served).
-func (c *CPUTier) drop(k Key, e *cpuEntry) bool {
-	if c.entries[k] != e || e.writing {
+// drop removes the ready block of k written by reservation gen, whose
+// bytes disagree with its checksum (Scrub), reporting its removal; false
+// when k's block is another write now (its slot's record may be the same,
+// reused: gen tells them apart) or is being written. A pinned block
+// leaves lookups at once and its slot is freed on its last unpin, as a
+// reset does (S7.2: never served).
+func (c *CPUTier) drop(k Key, gen uint64) bool {
+	e := c.entries[k]
+	if e == nil || e.gen != gen || e.writing {
 		return false
 	}
 	c.policy.Remove(k)

@@ -54,6 +54,7 @@ type Manager struct {
 		probes     []probe
 		probeKeys  []Key            // flushProbesLocked's scratch
 		probeFirst map[*Request]int // flushProbesLocked's scratch, emptied each pass
+		scrubs     uint64           // scrubs started: each pins as an owner of its own (scrubOwner)
 		promo      struct {         // promoteLocked's scratch: one key's reservation
 			key   [1]Key
 			added []Key

@@ -23,9 +23,12 @@ type ScrubResult struct {
 // scrubBatch is how many blocks a scrub pins at once.
 const scrubBatch = 64
 
-// scrubOwner owns a scrub's pins: a job id no job has, so no request's
-// abort can take them away.
-var scrubOwner = JobOwner(^uint64(0))
+// scrubOwner is the owner of the pins of scrub n (n from 1): job ids
+// counted down from the top, which no job has (jobs count up from 1), so
+// no request's abort can take them away; one of its own for every scrub,
+// so that one scrub's unpin never takes another's pin (found in review:
+// two scrubs around a cache reset).
+func scrubOwner(n uint64) Owner { return JobOwner(^uint64(0) - n + 1) }
 
 // Scrub verifies every ready block of the CPU tier against the CRC32C
 // kept with its slot (S7.2). It pins a batch at a time and reads the
@@ -36,6 +39,8 @@ var scrubOwner = JobOwner(^uint64(0))
 func (m *Manager) Scrub(ctx context.Context) (ScrubResult, error) {
 	var res ScrubResult
 	m.lock()
+	m.mu.scrubs++
+	owner := scrubOwner(m.mu.scrubs)
 	keys := slices.Collect(maps.Keys(m.mu.cpu.entries))
 	m.unlock()
 	arena := m.Arena()
@@ -48,11 +53,11 @@ func (m *Manager) Scrub(ctx context.Context) (ScrubResult, error) {
 		m.lock()
 		var pinned []Key
 		var slots []int32
-		var ents []*cpuEntry
+		var gens []uint64 // the writes scrubbed: a slot's record is reused
 		for _, k := range batch {
 			if e, ok := m.mu.cpu.entries[k]; ok && !e.writing && !m.mu.closed {
-				s, _ := m.mu.cpu.Pin([]Key{k}, scrubOwner, false)
-				pinned, slots, ents = append(pinned, k), append(slots, s[0]), append(ents, e)
+				s, _ := m.mu.cpu.Pin([]Key{k}, owner, false)
+				pinned, slots, gens = append(pinned, k), append(slots, s[0]), append(gens, e.gen)
 			}
 		}
 		m.unlock()
@@ -69,10 +74,10 @@ func (m *Manager) Scrub(ctx context.Context) (ScrubResult, error) {
 			res.Checked++
 		}
 		m.lock()
-		m.mu.cpu.Unpin(pinned, scrubOwner)
+		m.mu.cpu.Unpin(pinned, owner)
 		removed := 0
-		for _, i := range bad { // the entry scrubbed, not whatever holds its key now
-			if m.mu.cpu.drop(pinned[i], ents[i]) {
+		for _, i := range bad { // the write scrubbed, not whatever holds its key now
+			if m.mu.cpu.drop(pinned[i], gens[i]) {
 				removed++
 			}
 		}

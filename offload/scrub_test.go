@@ -154,3 +154,96 @@ func TestScrubPinned(t *testing.T) {
 		t.Errorf("%d slots used, %d detached after the reader let go, want none", c.Used, c.Detached)
 	}
 }
+
+// scrubReplay replays, on a 2-slot CPU tier, what two overlapping scrubs
+// (POST /v0/scrub twice) do around a cache reset, with the CPUTier calls
+// Scrub makes (found in review):
+//
+//	A pins k (record e1) | a reset detaches e1 | k is stored again (e2) |
+//	B pins k at e2 | A unpins k
+//
+// It returns the tier, k, and the generation B scrubs.
+func scrubReplay(t *testing.T) (*CPUTier, Key, uint64) {
+	c := newTestCPU(t, 2, "lru")
+	k := testKeys(2)[0]
+	store := func(key Key) {
+		t.Helper()
+		w := RequestOwner("w")
+		if _, _, _, ok := c.Reserve([]Key{key}, w); !ok {
+			t.Fatalf("reserve %v failed", key)
+		}
+		c.Commit([]Key{key}, w, true, nil)
+		c.endHold()
+	}
+	store(k)
+	if _, err := c.Pin([]Key{k}, scrubOwner(1), false); err != nil { // A
+		t.Fatal(err)
+	}
+	c.Reset()
+	store(k)
+	gen := c.entries[k].gen
+	if _, err := c.Pin([]Key{k}, scrubOwner(2), false); err != nil { // B
+		t.Fatal(err)
+	}
+	if _, err := c.Unpin([]Key{k}, scrubOwner(1)); err != nil { // A's second hold
+		t.Fatal(err)
+	}
+	c.endHold()
+	return c, k, gen
+}
+
+// While scrub B reads k's slot without the lock it still holds its pin:
+// A's unpin releases A's own, detached, record (when every scrub pinned
+// as one owner, A's unpin took B's pin off the live record).
+func TestScrubPinsAreEachScrubs(t *testing.T) {
+	c, k, _ := scrubReplay(t)
+	if e := c.entries[k]; len(e.pins) != 1 || e.pins[0].owner != scrubOwner(2) {
+		t.Fatalf("scrub B's block %v holds pins %v while B reads it, want B's one", k, e.pins)
+	}
+	if c.ndetached != 0 {
+		t.Fatalf("A's detached record was not released: %d detached", c.ndetached)
+	}
+}
+
+// A slot's record is reused: after k was evicted and stored again into
+// the same slot while scrub B read it, B's drop must not remove the new,
+// good block.
+func TestScrubDropsOnlyTheWriteItRead(t *testing.T) {
+	c, k, gen := scrubReplay(t)
+	ks := testKeys(3)
+	y, x := ks[1], ks[2]
+	slot := c.Slot(k)
+	store := func(key Key) {
+		t.Helper()
+		w := RequestOwner("w2")
+		if _, _, _, ok := c.Reserve([]Key{key}, w); !ok {
+			t.Fatalf("reserve %v failed", key)
+		}
+		c.Commit([]Key{key}, w, true, nil)
+		c.endHold()
+	}
+	store(x) // the other slot
+	// As if B were done with k: k may be evicted now.
+	if _, err := c.Unpin([]Key{k}, scrubOwner(2)); err != nil {
+		t.Fatal(err)
+	}
+	c.Touch([]Key{x})
+	store(y) // evicts k, the least recent
+	c.Touch([]Key{x})
+	store(k) // evicts y: k is back in its slot, a new write in the same record
+	if c.Slot(k) != slot {
+		t.Fatalf("k went to slot %d, not back to %d: the replay does not reuse the record", c.Slot(k), slot)
+	}
+	if c.evictions != 2 {
+		t.Fatalf("%d evictions, want 2: the replay does not evict k", c.evictions)
+	}
+	if c.drop(k, gen) {
+		t.Errorf("drop removed %v, stored again after the scrub read its slot", k)
+	}
+	if r := c.Lookup(k); r != Hit {
+		t.Errorf("the block stored again: %v, want hit", r)
+	}
+	if !c.drop(k, c.entries[k].gen) {
+		t.Error("drop refused the write it names")
+	}
+}
