@@ -521,7 +521,9 @@ func TestChecksumKeptWithSlot(t *testing.T) {
 
 // S7.1: data connections take blocks from one queue as they free up: with
 // one of two connections stalled (its reader reads nothing), every block
-// but the one it took goes out on the other.
+// but the one it took, if it was quick enough to take one, goes out on
+// the other (the test once wanted exactly one on the stalled connection
+// and failed when the free one drained the queue first).
 func TestDataConnectionsShareOneQueue(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		mn := newMemNet()
@@ -565,8 +567,8 @@ func TestDataConnectionsShareOneQueue(t *testing.T) {
 			}()
 		}
 		synctest.Wait()
-		if n := len(got); n != len(keys)-1 {
-			t.Errorf("%d of %d blocks went out on the free connection, want %d", n, len(keys), len(keys)-1)
+		if n := len(got); n < len(keys)-1 {
+			t.Errorf("%d of %d blocks went out on the free connection, want at least %d", n, len(keys), len(keys)-1)
 		}
 		for _, c := range stalled {
 			c.Close()
