@@ -24,7 +24,7 @@ type ScrubResult struct {
 const scrubBatch = 64
 
 // scrubOwner is the owner of the pins of scrub n (n from 1): job ids
-// counted down from the top, which no job has (jobs count up from 1), so
+// counted down from the top, which no job has (jobs count up from 0), so
 // no request's abort can take them away; one of its own for every scrub,
 // so that one scrub's unpin never takes another's pin (found in review:
 // two scrubs around a cache reset).
