@@ -24,14 +24,15 @@ type Manager struct {
 	now          func() time.Time // Config.Now: read through nowLocked, or by the poll goroutine
 	pollInterval time.Duration
 	hitTimeout   time.Duration
-	wake         chan struct{} // wakes the poll goroutine
-	stop         chan struct{} // closed by Close
-	pollDone     chan struct{} // closed when the poll goroutine returned
-	probers      []Prober      // per secondary tier, the tier if it is one (set once built)
-	pollAlive    atomic.Bool   // the poll goroutine runs and services the polled tiers
-	polling      bool          // it services them at all (tier_poll_interval > 0 and a polled tier)
-	clock        clock         // the poll goroutine's timer, the manager's only one
-	events       eventHub      // S2.8; its own lock, taken after mu
+	wake         chan struct{}  // wakes the poll goroutine
+	stop         chan struct{}  // closed by Close
+	pollDone     chan struct{}  // closed when the poll goroutine returned
+	scrubbing    sync.WaitGroup // scrub batches reading the arena without the lock (Scrub); Close waits for them
+	probers      []Prober       // per secondary tier, the tier if it is one (set once built)
+	pollAlive    atomic.Bool    // the poll goroutine runs and services the polled tiers
+	polling      bool           // it services them at all (tier_poll_interval > 0 and a polled tier)
+	clock        clock          // the poll goroutine's timer, the manager's only one
+	events       eventHub       // S2.8; its own lock, taken after mu
 
 	mu struct {
 		sync.Mutex
@@ -239,6 +240,7 @@ func (m *Manager) Close() error {
 	// for the lock, so it is joined without holding it).
 	close(m.stop)
 	<-m.pollDone
+	m.scrubbing.Wait() // no new batch starts: closed is set
 	m.closeEvents()
 	m.lock()
 	defer m.mu.Unlock()

@@ -20,6 +20,9 @@ type ScrubResult struct {
 	Unrecorded int `json:"unrecorded"`
 }
 
+// testHookScrubRead, when set by a test, runs before a batch's reads.
+var testHookScrubRead func()
+
 // scrubBatch is how many blocks a scrub pins at once.
 const scrubBatch = 64
 
@@ -35,7 +38,9 @@ func scrubOwner(n uint64) Owner { return JobOwner(^uint64(0) - n + 1) }
 // bytes without the lock, so serving goes on beside it; a block whose
 // bytes and checksum disagree is removed (a removal event, counted in
 // kv_offload_cpu_scrub_mismatches_total). Blocks that arrive while it
-// runs may be left for the next scrub. ctx bounds it.
+// runs may be left for the next scrub. ctx bounds it; once the manager
+// closes it ends with ErrClosed, and Close waits for the batch it reads
+// (at most scrubBatch blocks).
 func (m *Manager) Scrub(ctx context.Context) (ScrubResult, error) {
 	var res ScrubResult
 	m.lock()
@@ -51,16 +56,26 @@ func (m *Manager) Scrub(ctx context.Context) (ScrubResult, error) {
 		batch := keys[:min(scrubBatch, len(keys))]
 		keys = keys[len(batch):]
 		m.lock()
+		if m.mu.closed {
+			m.unlock()
+			return res, ErrClosed
+		}
 		var pinned []Key
 		var slots []int32
 		var gens []uint64 // the writes scrubbed: a slot's record is reused
 		for _, k := range batch {
-			if e, ok := m.mu.cpu.entries[k]; ok && !e.writing && !m.mu.closed {
+			if e, ok := m.mu.cpu.entries[k]; ok && !e.writing {
 				s, _ := m.mu.cpu.Pin([]Key{k}, owner, false)
 				pinned, slots, gens = append(pinned, k), append(slots, s[0]), append(gens, e.gen)
 			}
 		}
+		// Close waits for this batch's reads before it unmaps the arena
+		// (found in review: a scrub read a slot after the munmap).
+		m.scrubbing.Add(1)
 		m.unlock()
+		if testHookScrubRead != nil {
+			testHookScrubRead()
+		}
 		var bad []int
 		for i := range pinned {
 			got := crc32c.Checksum(arena.Slot(int(slots[i])))
@@ -73,7 +88,12 @@ func (m *Manager) Scrub(ctx context.Context) (ScrubResult, error) {
 			}
 			res.Checked++
 		}
+		m.scrubbing.Done()
 		m.lock()
+		if m.mu.closed {
+			m.unlock()
+			return res, ErrClosed
+		}
 		m.mu.cpu.Unpin(pinned, owner)
 		removed := 0
 		for _, i := range bad { // the write scrubbed, not whatever holds its key now

@@ -2,8 +2,11 @@ package offload
 
 import (
 	"context"
+	"errors"
 	"hash/crc32"
+	"runtime"
 	"testing"
+	"time"
 
 	"github.com/kvtier/kvtier/offload/crc32c"
 )
@@ -245,5 +248,63 @@ func TestScrubDropsOnlyTheWriteItRead(t *testing.T) {
 	}
 	if !c.drop(k, c.entries[k].gen) {
 		t.Error("drop refused the write it names")
+	}
+}
+
+// Close while a scrub reads a pinned batch without the lock (the node's
+// Shutdown gives POST /v0/scrub 5 s, then closes the manager): Close
+// waits for the batch before it unmaps the arena, and the scrub ends with
+// ErrClosed (found in review: the scrub read a slot after the munmap and
+// faulted).
+func TestScrubEndsAtClose(t *testing.T) {
+	m := testManager(t, 8)
+	keys := BlockKeys(DefaultHashSeed, 16, make([]uint32, 16*3))
+	req := &Request{ID: "w"}
+	m.Do(func(s *Step) {
+		s.OnNewRequest(req)
+		p, err := s.PrepareStore(keys, req)
+		if err != nil || p == nil {
+			t.Fatalf("PrepareStore: %v %v", p, err)
+		}
+		s.CompleteStore(p.Keys, req, true)
+		s.OnRequestFinished(req)
+	})
+	reading, proceed := make(chan struct{}), make(chan struct{})
+	testHookScrubRead = func() {
+		close(reading)
+		<-proceed
+	}
+	defer func() { testHookScrubRead = nil }()
+	scrubbed := make(chan error, 1)
+	go func() {
+		_, err := m.Scrub(context.Background())
+		scrubbed <- err
+	}()
+	<-reading
+	closed := make(chan error, 1)
+	go func() { closed <- m.Close() }()
+	for deadline := time.Now().Add(10 * time.Second); ; {
+		m.lock()
+		done := m.mu.closed
+		m.mu.Unlock()
+		if done {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("Close did not start within 10 s")
+		}
+		runtime.Gosched()
+	}
+	select {
+	case <-closed:
+		t.Error("Close returned while a scrub was reading the arena")
+	case <-time.After(100 * time.Millisecond): // Close must wait: nothing to wait for
+	}
+	close(proceed)
+	if err := <-scrubbed; !errors.Is(err, ErrClosed) {
+		t.Errorf("the scrub ended with %v, want ErrClosed", err)
+	}
+	if err := <-closed; err != nil {
+		t.Errorf("Close: %v", err)
 	}
 }
