@@ -22,7 +22,8 @@ bench_rc=$?
 if [ "$bench_rc" = 124 ]; then
 	echo "(the bench ran past 330 s; narrow it with BENCH_ARGS, e.g. -layers 28 -segments-kib 4,16,128)" >>"$out/bench.txt"
 elif [ "$bench_rc" != 0 ] && ! grep -q '^cudakv-bench:' "$out/bench-progress.log"; then
-	# The bench died without an error of its own (a crash, a hang): once
+	# The bench died without an error of its own (a crash; a hang ran into
+	# the timeout above and is not rerun): once
 	# more without the driver's batched copy, the newest API it calls.
 	mv "$out/bench-progress.log" "$out/bench-progress-first.log"
 	# shellcheck disable=SC2086
