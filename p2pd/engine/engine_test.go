@@ -346,3 +346,72 @@ func TestRunContext(t *testing.T) {
 		t.Errorf("Shutdown after Run ended: %v", err)
 	}
 }
+
+// failingStores is the reference executor whose stores copy nothing and
+// fail once released: a GPU copy that met an error after it was submitted.
+type failingStores struct {
+	Executor
+	started, release chan struct{}
+}
+
+type failedCopy struct{ release chan struct{} }
+
+func (c failedCopy) Done() (bool, error) {
+	select {
+	case <-c.release:
+		return true, errors.New("the copy failed")
+	default:
+		return false, nil
+	}
+}
+func (c failedCopy) Wait() error    { <-c.release; return errors.New("the copy failed") }
+func (c failedCopy) Sums() []uint32 { return nil }
+
+func (f *failingStores) Store([]Pair) (Copy, error) {
+	close(f.started)
+	return failedCopy{f.release}, nil
+}
+
+// S7.2: a store whose request was aborted while its copy was in flight,
+// and whose copy then failed, does not become readable (found in review:
+// the aborted job's store completed as if it succeeded, so its slots —
+// no block in them, no checksum kept — were served to peers with a
+// checksum computed from whatever bytes they held, and a scrub kept it).
+func TestAbortedStoreThatFailedStaysUnreadable(t *testing.T) {
+	f := &failingStores{started: make(chan struct{}), release: make(chan struct{})}
+	e, m := newEngineWith(t, 16, 8, func(m *offload.Manager) Executor {
+		x, err := NewReference(m, 8, "host", nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		f.Executor = x
+		return f
+	})
+	toks := tokens(5, 16*2)
+	submitted := make(chan error, 1)
+	go func() {
+		_, err := e.Submit(context.Background(), Request{ID: "a", Tokens: toks})
+		submitted <- err
+	}()
+	<-f.started
+	paused := make(chan error, 1)
+	go func() { paused <- e.Pause(PauseAbort, false, 10*time.Second) }()
+	if err := <-submitted; err == nil { // the pause aborted it, its copy in flight
+		t.Fatal("the request finished although its store never completed")
+	}
+	close(f.release) // now the copy fails
+	if err := <-paused; err != nil {
+		t.Fatal(err)
+	}
+	keys := offload.BlockKeys(m.Config().HashSeed, m.Config().Geometry.BlockTokens, toks)
+	m.Do(func(s *offload.Step) {
+		req := &offload.Request{ID: "check"}
+		s.OnNewRequest(req)
+		defer s.OnRequestFinished(req)
+		for i, k := range keys {
+			if r := s.Lookup(k, req); r != offload.Miss {
+				t.Errorf("block %d of the failed store answers %v, want miss", i, r)
+			}
+		}
+	})
+}

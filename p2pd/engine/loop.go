@@ -274,12 +274,13 @@ func (e *Engine) reap() {
 				continue
 			}
 			if j.copying {
-				if done, _ := j.copyDone(); !done {
+				done, err := j.copyDone()
+				if !done {
 					kept = append(kept, j)
 					continue
 				}
-				if j.phase == phaseStoring {
-					e.m.Do(func(s *offload.Step) { s.CompleteStore(j.plan.Keys, j.req, true) })
+				if j.phase == phaseStoring { // a failed copy's slots hold no block: freed (S7.2)
+					e.m.Do(func(s *offload.Step) { s.CompleteStore(j.plan.Keys, j.req, err == nil) })
 				}
 			}
 			e.release(j)
