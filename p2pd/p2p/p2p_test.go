@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/kvtier/kvtier/offload"
+	"github.com/kvtier/kvtier/offload/crc32c"
 )
 
 // node is a manager with a P2P tier.
@@ -64,7 +65,9 @@ func blockOf(k offload.Key, n int) []byte {
 	return b
 }
 
-// store puts keys into n's CPU tier as a finished request would.
+// store puts keys into n's CPU tier as a finished request would, each
+// block's checksum recorded as its writer does (S7.2), so the producer
+// sends the kept one.
 func (n *node) store(t testing.TB, keys []offload.Key) {
 	t.Helper()
 	req := &offload.Request{ID: fmt.Sprintf("writer-%v", keys[0])}
@@ -75,7 +78,9 @@ func (n *node) store(t testing.TB, keys []offload.Key) {
 			t.Fatalf("PrepareStore: %v %v", p, err)
 		}
 		for i, k := range p.Keys {
-			copy(n.m.Arena().Slot(int(p.Slots[i])), blockOf(k, n.m.BlockBytes()))
+			b := blockOf(k, n.m.BlockBytes())
+			copy(n.m.Arena().Slot(int(p.Slots[i])), b)
+			n.m.Arena().SetSum(int(p.Slots[i]), crc32c.Checksum(b))
 		}
 		s.CompleteStore(p.Keys, req, true)
 		s.OnRequestFinished(req)
