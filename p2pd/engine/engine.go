@@ -243,6 +243,13 @@ func (e *Engine) Submit(ctx context.Context, r Request) (api.Result, error) {
 	select {
 	case rep := <-reply:
 		return rep.res, rep.err
+	case <-e.done: // sent after the loop's last drain: nothing will answer (found in review)
+		select {
+		case rep := <-reply:
+			return rep.res, rep.err
+		default:
+			return api.Result{}, ErrShuttingDown
+		}
 	case <-ctx.Done():
 		return api.Result{}, ctx.Err()
 	}

@@ -200,9 +200,19 @@ func (e *Engine) abort(j *job, err error) {
 	if j.reply == nil {
 		return
 	}
+	e.m.Do(func(s *offload.Step) { e.abortIn(s, j, err) })
+}
+
+// abortIn is abort inside a step the loop already holds: the manager lock
+// is not reentrant (found in review: a load the executor refused called
+// abort from the scheduling step, and the loop deadlocked).
+func (e *Engine) abortIn(s *offload.Step, j *job, err error) {
+	if j.reply == nil {
+		return
+	}
 	j.reply <- jobReply{err: err}
 	j.reply = nil
-	e.m.Do(func(s *offload.Step) { s.Abort(j.req) })
+	s.Abort(j.req)
 }
 
 // finishCommands completes a pause or a shutdown whose condition holds,
@@ -359,7 +369,7 @@ func (e *Engine) lookup(s *offload.Step, j *job) {
 	}
 	slots, err := s.PrepareLoad(j.keys[:hits], j.req)
 	if err != nil {
-		e.fail(j, err)
+		e.failIn(s, j, err)
 		return
 	}
 	j.hits, j.slots = hits, slots
@@ -381,16 +391,19 @@ func (e *Engine) lookup(s *offload.Step, j *job) {
 	for i := range pairs {
 		pairs[i] = Pair{GPU: j.gpu[i], CPU: slots[i]}
 	}
-	e.start(j, func() (Copy, error) { return e.x.Load(pairs) }, nil)
+	if err := e.start(j, func() (Copy, error) { return e.x.Load(pairs) }, nil); err != nil {
+		e.failIn(s, j, err)
+	}
 }
 
 // start runs a copy; stored, when not nil, are the pairs of a store, whose
 // blocks' CRC32Cs are recorded with their slots once it ends (S7.2).
-func (e *Engine) start(j *job, begin func() (Copy, error), stored []Pair) {
+// It returns the executor's refusal, for the caller to fail the job in
+// or out of a step.
+func (e *Engine) start(j *job, begin func() (Copy, error), stored []Pair) error {
 	t, err := begin()
 	if err != nil {
-		e.fail(j, err)
-		return
+		return err
 	}
 	j.copy, j.copying, j.sums = t, true, nil
 	var sums chan struct{}
@@ -407,6 +420,7 @@ func (e *Engine) start(j *job, begin func() (Copy, error), stored []Pair) {
 		}
 		signal(e.wake)
 	})
+	return nil
 }
 
 // copyDone says whether the job's copy ended (and its error), and for a
@@ -440,8 +454,13 @@ func (e *Engine) recordSums(pairs []Pair, sums []uint32) {
 }
 
 func (e *Engine) fail(j *job, err error) {
+	e.m.Do(func(s *offload.Step) { e.failIn(s, j, err) })
+}
+
+// failIn is fail inside a step the loop holds.
+func (e *Engine) failIn(s *offload.Step, j *job, err error) {
 	e.log.Warn("engine: request failed", "request", j.r.ID, "err", err)
-	e.abort(j, err)
+	e.abortIn(s, j, err)
 }
 
 // finishDone advances requests in the loading phase with nothing to load.
@@ -504,9 +523,11 @@ func (e *Engine) copied(j *job, err error) {
 		for i, k := range plan.Keys {
 			pairs[i] = Pair{GPU: j.gpu[index[k]], CPU: plan.Slots[i]}
 		}
-		e.start(j, func() (Copy, error) { return e.x.Store(pairs) }, pairs)
-		if !j.copying {
-			e.m.Do(func(s *offload.Step) { s.CompleteStore(plan.Keys, j.req, false) })
+		if err := e.start(j, func() (Copy, error) { return e.x.Store(pairs) }, pairs); err != nil {
+			e.m.Do(func(s *offload.Step) {
+				s.CompleteStore(plan.Keys, j.req, false)
+				e.failIn(s, j, err)
+			})
 		}
 	case phaseStoring:
 		e.m.Do(func(s *offload.Step) { s.CompleteStore(j.plan.Keys, j.req, err == nil) })
