@@ -80,7 +80,7 @@ func NewArena(slots, slotBytes int, opt ArenaOptions) (*Arena, error) {
 		if err := unix.Madvise(mem, unix.MADV_HUGEPAGE); err != nil {
 			a.HugePagesErr = fmt.Errorf("madvise(MADV_HUGEPAGE): %w", err)
 		}
-		Populate(mem)
+		populate(mem)
 	}
 	if opt.Lock {
 		if err := unix.Mlock(mem); err != nil {
@@ -92,12 +92,12 @@ func NewArena(slots, slotBytes int, opt ArenaOptions) (*Arena, error) {
 	return a, nil
 }
 
-// Populate faults in every page of mem, a fresh anonymous mapping, as
+// populate faults in every page of mem, a fresh anonymous mapping, as
 // MAP_POPULATE would have: with MADV_POPULATE_WRITE (Linux 5.14), or by
 // writing a zero to each page where the kernel lacks it. Like
 // MAP_POPULATE it does not fail: pages it could not fault in (memory
 // short) fault on first use.
-func Populate(mem []byte) {
+func populate(mem []byte) {
 	err := unix.Madvise(mem, unix.MADV_POPULATE_WRITE)
 	if err != unix.EINVAL {
 		return

@@ -20,8 +20,11 @@ func (refusingLoads) Load([]Pair) (Copy, error) { return nil, errors.New("load r
 
 // A load the executor refuses at submission fails the request; the engine
 // goes on serving. (Found in review: lookup runs inside the step's
-// manager lock (Begin … OnScheduleEnd); start → fail → abort calls m.Do,
-// which takes that lock again: the loop deadlocks for good.)
+// manager lock (Begin … OnScheduleEnd), and start → fail → abort called
+// m.Do, which took that lock again: the loop deadlocked for good.) Not
+// built with newEngineWith: its cleanup would block on a stuck manager
+// lock, so a regression would hang the package instead of failing here
+// within 5 s.
 func TestRefusedLoadFailsRequest(t *testing.T) {
 	cfg := offload.DefaultConfig()
 	cfg.Geometry = offload.Geometries["tiny"]
@@ -68,8 +71,8 @@ func TestRefusedLoadFailsRequest(t *testing.T) {
 // answered ErrShuttingDown, not left waiting. The window is Submit's
 // State check (still Running) followed by its send after Run returned;
 // the test opens it by setting the state back to Running once Run
-// returned. (Submit's wait for the reply has no case for e.done, unlike
-// command.)
+// returned. (Submit's wait for the reply had no case for e.done, unlike
+// command's.)
 func TestSubmitAfterRunReturnedIsRefused(t *testing.T) {
 	e, _ := newEngine(t, 16, 8)
 	if err := e.Shutdown(context.Background()); err != nil {
