@@ -76,7 +76,8 @@ type nixlWrite struct {
 type nixlExpect struct {
 	slots    []uint32 // sorted
 	done     func(error)
-	checking bool // its notification is being verified (under mu)
+	checking bool   // its notification is being verified (under mu)
+	drained  func() // Unexpect's done, owed once that verification ends (under mu)
 }
 
 // nixlInfoLen is the fixed part of LocalInfo: arena base, stride, slot
@@ -440,17 +441,24 @@ func (p *NIXLPlane) Expect(peer string, round uint64, slots []uint32, done func(
 
 // Unexpect drops the round's expectation. The protocol calls it once the
 // producer stopped (abort_ack) or finished (transfer_done), and a late
-// notification of the round is ignored, so done runs at once.
+// notification of the round is ignored, so done runs at once — unless
+// the round's notification is being verified: the check reads the
+// slots, so done waits for it (the protocol frees them on done).
 func (p *NIXLPlane) Unexpect(peer string, round uint64, done func()) {
 	k := roundKey{peer, round}
 	p.mu.Lock()
 	e := p.expect[k]
 	delete(p.expect, k)
+	if e != nil && e.checking {
+		e.drained, done = done, nil
+	}
 	p.mu.Unlock()
 	if e != nil {
 		e.done(ErrCanceled)
 	}
-	done()
+	if done != nil {
+		done()
+	}
 }
 
 // Accept refuses TCP data connections: this plane has none.
@@ -544,6 +552,10 @@ func (p *NIXLPlane) loop() {
 	}
 }
 
+// testHookNIXLChecking, when set, runs as a round's notification starts
+// being verified (a test's way into that window).
+var testHookNIXLChecking func(round uint64)
+
 // notified checks a round's notification against its expectation and the
 // slots' bytes.
 func (p *NIXLPlane) notified(n nixlgo.Notif) {
@@ -566,8 +578,9 @@ func (p *NIXLPlane) notified(n nixlgo.Notif) {
 		p.log.Debug("p2p: nixl notification nobody expects", "from", n.From, "bytes", len(m))
 		return
 	}
-	// finish ends the round unless Unexpect took it meanwhile; the slots'
-	// checksums are kept only then, so none lands on a slot already freed.
+	// finish ends the round unless Unexpect took it meanwhile (then it
+	// runs the done Unexpect left: the slots are read no more); the slots'
+	// checksums are kept only for a round still expected.
 	finish := func(err error, got, sums []uint32) {
 		p.mu.Lock()
 		mine := p.expect[k] == e
@@ -577,10 +590,18 @@ func (p *NIXLPlane) notified(n nixlgo.Notif) {
 				p.arena.SetSum(int(slot), sums[i]) // verified: kept with the slot (S7.2)
 			}
 		}
+		e.checking = false
+		drained := e.drained
 		p.mu.Unlock()
 		if mine {
 			e.done(err)
 		}
+		if drained != nil {
+			drained()
+		}
+	}
+	if testHookNIXLChecking != nil {
+		testHookNIXLChecking(k.round)
 	}
 	m = m[len(notifMagic)+8:]
 	count := int(binary.LittleEndian.Uint32(m))

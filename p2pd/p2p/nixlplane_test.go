@@ -161,3 +161,40 @@ func TestNIXLPlaneBadInfo(t *testing.T) {
 		t.Error("a write from slot 9 of 4 was accepted")
 	}
 }
+
+// TestNIXLUnexpectWaitsForTheCheck: a round that Unexpect takes while its
+// notification is being verified reports done only once the check has
+// stopped reading its slots, since the protocol frees them on done (S6.6,
+// S7.2: a slot reused meanwhile would fail the check with a spurious
+// crc_errors count). It failed when Unexpect ran done at once.
+func TestNIXLUnexpectWaitsForTheCheck(t *testing.T) {
+	t.Cleanup(func() { testHookNIXLChecking = nil }) // after the planes close
+	a, b := nixlPair(t, 4, 5000)
+	drained := make(chan struct{})
+	early := make(chan bool, 1)
+	testHookNIXLChecking = func(round uint64) {
+		b.Unexpect("node-a", round, func() { close(drained) })
+		select {
+		case <-drained:
+			early <- true
+		default:
+			early <- false
+		}
+	}
+	expected, written := make(chan error, 1), make(chan error, 1)
+	b.Expect("node-a", 9, []uint32{2}, func(err error) { expected <- err })
+	a.Write("node-b", 9, []SlotPair{{Local: 1, Remote: 2}}, func(err error) { written <- err })
+	if err := wait(t, written, "write"); err != nil {
+		t.Fatalf("write: %v", err)
+	}
+	if err := wait(t, expected, "expect"); !errors.Is(err, ErrCanceled) {
+		t.Fatalf("the round Unexpect took ended with %v, want ErrCanceled", err)
+	}
+	if wait(t, early, "the check") {
+		t.Fatal("Unexpect's done ran while the round's slots were still being checked")
+	}
+	wait(t, drained, "Unexpect's done")
+	if n := b.crcErrors.Load(); n != 0 {
+		t.Errorf("crc errors %d, want 0", n)
+	}
+}
