@@ -20,6 +20,7 @@ type (
 	frameReceived struct {
 		cc *ctrlConn
 		m  wire.Msg
+		n  int // what it counts against the reader's bound (ctrlConn.admit)
 	}
 	// connClosed: a control connection's reader or writer ended.
 	connClosed struct {
@@ -89,7 +90,10 @@ type (
 	}
 )
 
-func (e frameReceived) apply(t *Tier) { t.handle(e.cc, e.m) }
+func (e frameReceived) apply(t *Tier) {
+	e.cc.release(e.n)
+	t.handle(e.cc, e.m)
+}
 func (e connClosed) apply(t *Tier)    { t.connLost(e.cc, e.err) }
 func (e sendQueueFull) apply(t *Tier) { t.kill(e.s, "send queue full") }
 func (e accepted) apply(t *Tier)      { t.established(nil, e.c, e.sh) }

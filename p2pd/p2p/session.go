@@ -78,6 +78,51 @@ type ctrlConn struct {
 		busy   bool   // the writer is writing frames it took
 		closed bool
 	}
+	// in counts the bytes of frames the reader posted that the manager
+	// has not applied yet: beyond maxUnapplied the reader stops reading
+	// until a pass applies them, so a peer that sends faster than the
+	// manager serves is held back by TCP instead of growing the event
+	// queue (S8.5). closed: the connection ended, the reader stops.
+	in struct {
+		sync.Mutex
+		cond   *sync.Cond
+		bytes  int
+		closed bool
+	}
+}
+
+// maxUnapplied bounds the bytes of a control connection's frames read and
+// not yet applied (one frame more may always wait). A variable so a test
+// can lower it.
+var maxUnapplied = 16 << 20
+
+// frameCost is what one frame counts against maxUnapplied beyond its
+// bytes: its event and decoded message, so tiny frames are bounded too.
+const frameCost = 256
+
+// admit waits until n more bytes may wait for the manager; false when the
+// connection ended meanwhile.
+func (cc *ctrlConn) admit(n int) bool {
+	in := &cc.in
+	in.Lock()
+	defer in.Unlock()
+	for in.bytes > 0 && in.bytes+n > maxUnapplied {
+		if in.closed {
+			return false
+		}
+		in.cond.Wait()
+	}
+	in.bytes += n
+	return true
+}
+
+// release is the manager applying a frame admit counted.
+func (cc *ctrlConn) release(n int) {
+	in := &cc.in
+	in.Lock()
+	in.bytes -= n
+	in.cond.Signal()
+	in.Unlock()
 }
 
 func (t *Tier) newSession(dialed bool, addr string) *session {
@@ -112,6 +157,7 @@ func (t *Tier) established(pending *session, c net.Conn, sh shaken) {
 	}
 	cc := &ctrlConn{c: c, dialer: sh.Dialer, nonce: sh.DialNonce}
 	cc.out.cond = sync.NewCond(&cc.out.Mutex)
+	cc.in.cond = sync.NewCond(&cc.in.Mutex)
 	if tc, ok := c.(*net.TCPConn); ok { // exactly a socket: a wrapper (TLS) writes through itself
 		cc.raw, _ = tc.SyscallConn()
 	}
@@ -252,6 +298,12 @@ func (t *Tier) endConn(cc *ctrlConn) {
 	cc.out.closed = true
 	cc.out.cond.Signal()
 	cc.out.Unlock()
+	cc.in.Lock()
+	cc.in.closed = true
+	if cc.in.cond != nil {
+		cc.in.cond.Broadcast()
+	}
+	cc.in.Unlock()
 	if s := cc.s; s != nil {
 		s.old = slices.DeleteFunc(s.old, func(o *ctrlConn) bool { return o == cc })
 		if s.v != nil {
@@ -301,7 +353,12 @@ func (t *Tier) reader(cc *ctrlConn) {
 			t.post(connClosed{cc, err})
 			return
 		}
-		t.post(frameReceived{cc, m})
+		n := len(p) + frameCost
+		if !cc.admit(n) {
+			t.post(connClosed{cc, net.ErrClosed})
+			return
+		}
+		t.post(frameReceived{cc, m, n})
 	}
 }
 
