@@ -91,8 +91,10 @@ type (
 )
 
 func (e frameReceived) apply(t *Tier) {
-	e.cc.release(e.n)
-	t.handle(e.cc, e.m)
+	if !t.deferring(e) {
+		e.cc.release(e.n)
+		t.handle(e.cc, e.m)
+	}
 }
 func (e connClosed) apply(t *Tier)    { t.connLost(e.cc, e.err) }
 func (e sendQueueFull) apply(t *Tier) { t.kill(e.s, "send queue full") }

@@ -40,8 +40,9 @@ type session struct {
 	held        []wire.Msg // role messages queued until ready
 	// deferred holds frames of the active connection while a retiring
 	// duplicate has not delivered its last frame (the peer's marker):
-	// the peer sent those first, so they are served first.
-	deferred []wire.Msg
+	// the peer sent those first, so they are served first. Their bytes
+	// stay counted against the connection's maxUnapplied until then.
+	deferred []frameReceived
 
 	live protocol.Liveness // keep-alive (S6.9)
 	errs int               // consecutive handler errors (S8.2)
@@ -331,10 +332,11 @@ func (t *Tier) flushDeferred(s *session) {
 	if s.dead || s.draining() || len(s.deferred) == 0 {
 		return
 	}
-	ms := s.deferred
+	fs := s.deferred
 	s.deferred = nil
-	for _, m := range ms {
-		t.handle(s.conn, m)
+	for _, f := range fs {
+		f.cc.release(f.n)
+		t.handle(s.conn, f.m)
 	}
 }
 
@@ -480,6 +482,23 @@ func (t *Tier) send(s *session, m wire.Msg) {
 	t.sendNow(s, m)
 }
 
+// deferring keeps f while a retiring duplicate drains (S6.2: the frames
+// the peer sent on it first are served first), its bytes still counted
+// against its reader's maxUnapplied; false when f is to be handled now.
+func (t *Tier) deferring(f frameReceived) bool {
+	s := f.cc.s
+	if s.dead || f.cc != s.conn || !s.draining() {
+		return false
+	}
+	s.live.Received(t.env.Now())
+	if len(s.deferred) >= wire.MaxKeys {
+		t.protocolError(s, "too many frames on a new connection while the old one drains")
+		return true
+	}
+	s.deferred = append(s.deferred, f)
+	return true
+}
+
 // handle dispatches one message (S6.2). A malformed message or a
 // duplicate fetch is a protocol error; five handler errors in a row
 // disconnect the session (S8.2).
@@ -489,14 +508,6 @@ func (t *Tier) handle(cc *ctrlConn, m wire.Msg) {
 		return
 	}
 	s.live.Received(t.env.Now())
-	if cc == s.conn && s.draining() {
-		if len(s.deferred) >= wire.MaxKeys {
-			t.protocolError(s, "too many frames on a new connection while the old one drains")
-			return
-		}
-		s.deferred = append(s.deferred, m)
-		return
-	}
 	var err error
 	switch m := m.(type) {
 	case wire.Disconnect:
