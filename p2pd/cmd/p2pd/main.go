@@ -124,7 +124,7 @@ func flags(d node.Config) (*flag.FlagSet, func(cfg *node.Config, set map[string]
 		gpuBlocks  = fs.Int("gpu-blocks", d.GPUBlocks, "GPU KV cache blocks")
 		diskDir    = fs.String("disk-dir", d.DiskDir, "disk tier directory (default: no disk tier)")
 		diskBytes  = fs.Int64("disk-bytes", d.DiskBytes, "disk tier cap in bytes")
-		pollEvery  = fs.Duration("tier-poll-interval", time.Duration(d.TierPollInterval), "tier-poll interval (≤ 0: no poll goroutine)")
+		pollEvery  = fs.Duration("tier-poll-interval", time.Duration(d.TierPollInterval), "how often the poll goroutine services polled tiers (≤ 0: engine steps service them; docs/operations.md)")
 		hitPending = fs.Duration("hit-pending-timeout", time.Duration(d.HitPendingTimeout), "HitPending bound")
 		hashSeed   = fs.String("hash-seed", d.HashSeed, "block key hash seed")
 		hashAlgo   = fs.String("hash-algo", d.HashAlgo, "block key scheme: "+strings.Join(offload.HashAlgos, " or ")+" (vLLM's sha256_cbor, with -hash-seed "+offload.VLLMDefaultSeed+" unless vLLM's PYTHONHASHSEED is set)")
