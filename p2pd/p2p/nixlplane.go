@@ -334,8 +334,8 @@ func (p *NIXLPlane) leave(l *nixlLeaving, force bool) bool {
 	return true
 }
 
-// Write checksums the local slots and WRITEs them into the peer's slots,
-// with the round's notification.
+// Write WRITEs the local slots into the peer's slots, with the round's
+// notification carrying each slot's kept CRC32C (S7.2).
 func (p *NIXLPlane) Write(peer string, round uint64, pairs []SlotPair, done func(error)) {
 	if !p.run(func() { p.write(peer, round, pairs, done) }) {
 		done(net.ErrClosed)
