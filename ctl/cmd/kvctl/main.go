@@ -36,7 +36,7 @@ commands:
   resume
   shutdown [--grace 30s]
   reset-cache
-  scrub                                    verify every CPU block against its checksum
+  scrub [--json]                           verify every CPU block against its checksum
   submit (--tokens-seed S --tokens N | --tokens-file F)
          [--remote-kv-source host:port --kv-request-id ID] [--request-id ID] [--fetch-only]
          [--digest sha256|crc32c|none] [--json]
@@ -184,11 +184,13 @@ func run(args []string, out, errw io.Writer) error {
 		if err := c.Do(ctx, "POST", "/v0/scrub", nil, nil, &res); err != nil {
 			return explain(err)
 		}
-		fmt.Fprintf(out, "scrubbed %d blocks in %.0f ms: %d disagreed with their checksum and were removed", res.Checked, res.ElapsedMS, res.Mismatched)
-		if res.Unrecorded > 0 {
-			fmt.Fprintf(out, "; %d had no checksum kept (now recorded)", res.Unrecorded)
+		if *asJSON {
+			if err := printJSON(out, res); err != nil {
+				return err
+			}
+		} else {
+			scrubText(out, res)
 		}
-		fmt.Fprintln(out)
 		if res.Mismatched > 0 {
 			return fmt.Errorf("%d corrupt blocks removed (memory errors?)", res.Mismatched)
 		}
@@ -502,4 +504,13 @@ func healthText(h api.Health) string {
 // signalContext ends with Ctrl-C or SIGTERM: following events ends cleanly.
 func signalContext(ctx context.Context) (context.Context, context.CancelFunc) {
 	return signal.NotifyContext(ctx, os.Interrupt, syscall.SIGTERM)
+}
+
+// scrubText prints a scrub's result as a line of text.
+func scrubText(out io.Writer, res api.Scrub) {
+	fmt.Fprintf(out, "scrubbed %d blocks in %.0f ms: %d disagreed with their checksum and were removed", res.Checked, res.ElapsedMS, res.Mismatched)
+	if res.Unrecorded > 0 {
+		fmt.Fprintf(out, "; %d had no checksum kept (now recorded)", res.Unrecorded)
+	}
+	fmt.Fprintln(out)
 }
