@@ -250,7 +250,11 @@ func params(w http.ResponseWriter, r *http.Request, known ...string) (map[string
 	out := map[string]string{}
 	for k, v := range r.URL.Query() {
 		if !contains(known, k) {
-			fail(w, 400, "unknown parameter %q (known: %s)", k, strings.Join(known, ", "))
+			if len(known) == 0 {
+				fail(w, 400, "unknown parameter %q (%s takes none)", k, r.URL.Path)
+			} else {
+				fail(w, 400, "unknown parameter %q (known: %s)", k, strings.Join(known, ", "))
+			}
 			return nil, false
 		}
 		out[k] = v[len(v)-1]
@@ -367,18 +371,24 @@ func (n *Node) peers(w http.ResponseWriter, r *http.Request) {
 // scrub is POST /v0/scrub: verify every ready CPU block against its
 // checksum, removing those that disagree (S7.2).
 func (n *Node) scrub(w http.ResponseWriter, r *http.Request) {
+	if _, ok := params(w, r); !ok {
+		return
+	}
 	ctx, cancel := context.WithTimeout(r.Context(), 10*time.Minute)
 	defer cancel()
 	start := time.Now()
 	res, err := n.M.Scrub(ctx)
 	if err != nil {
-		fail(w, 503, "scrub stopped after %d blocks: %v", res.Checked, err)
+		fail(w, 503, "scrub stopped after %d blocks (%d removed): %v", res.Checked, res.Mismatched, err)
 		return
 	}
 	reply(w, 200, api.Scrub{Checked: res.Checked, Mismatched: res.Mismatched, Unrecorded: res.Unrecorded, ElapsedMS: ms(time.Since(start))})
 }
 
 func (n *Node) resetCache(w http.ResponseWriter, r *http.Request) {
+	if _, ok := params(w, r); !ok {
+		return
+	}
 	ctx, cancel := context.WithTimeout(r.Context(), 60*time.Second)
 	defer cancel()
 	start := time.Now()

@@ -380,3 +380,25 @@ func TestRequestBodyAgrees(t *testing.T) {
 		t.Errorf("decoding %s: %+v, %v", b, rb, err)
 	}
 }
+
+// S8.3: scrub and reset-cache take no parameters: an unknown one is a 400
+// naming it, as on the other endpoints (they were ignored: a typo such as
+// ?timeout=1s ran a full scrub as if it bounded it).
+func TestScrubAndResetRejectParameters(t *testing.T) {
+	n, _ := startNode(t, testConfig(t.TempDir()))
+	for _, tc := range []struct {
+		path string
+		code int
+	}{
+		{"/v0/scrub?timeout=1s", 400},
+		{"/v0/reset-cache?tier=cpu", 400},
+		{"/v0/scrub", 200},
+		{"/v0/reset-cache", 200},
+	} {
+		w := httptest.NewRecorder()
+		n.mux().ServeHTTP(w, httptest.NewRequest("POST", tc.path, nil))
+		if w.Code != tc.code || (tc.code == 400 && !strings.Contains(w.Body.String(), "takes none")) {
+			t.Errorf("POST %s: %d %s, want %d", tc.path, w.Code, w.Body.String(), tc.code)
+		}
+	}
+}
