@@ -243,7 +243,7 @@ func (s Metrics) WritePrometheus(w io.Writer) error {
 	for _, t := range secondary {
 		p.sample(float64(t.Panics), "tier", t.Name)
 	}
-	p.family("kv_offload_tiering_poll_running", "gauge", "1 while the tier-poll goroutine runs.")
+	p.family("kv_offload_tiering_poll_running", "gauge", "1 while the tier-poll goroutine runs and services the polled tiers (0 with tier_poll_interval <= 0, where it keeps only the clock).")
 	p.sample(map[bool]float64{true: 1}[s.Poll == "running"])
 	p.family("kv_offload_tiering_poll_errors_total", "counter", "Failed tier-poll passes (errors or panics from tiers).")
 	p.sample(float64(s.PollErrors))
