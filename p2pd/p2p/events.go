@@ -69,6 +69,7 @@ type (
 	vframe struct {
 		cc *ctrlConn
 		m  vllmwire.Msg
+		n  int // as frameReceived's
 	}
 	// vdialled: this node's DEALER to a vLLM peer connected, or err.
 	vdialled struct {
@@ -100,8 +101,11 @@ func (e connClosed) apply(t *Tier)    { t.connLost(e.cc, e.err) }
 func (e sendQueueFull) apply(t *Tier) { t.kill(e.s, "send queue full") }
 func (e accepted) apply(t *Tier)      { t.established(nil, e.c, e.sh) }
 
-func (e vpipe) apply(t *Tier)    { t.vattach(e.cc, e.first) }
-func (e vframe) apply(t *Tier)   { t.vhandle(e.cc, e.m) }
+func (e vpipe) apply(t *Tier) { t.vattach(e.cc, e.first) }
+func (e vframe) apply(t *Tier) {
+	e.cc.release(e.n)
+	t.vhandle(e.cc, e.m)
+}
 func (e vdialled) apply(t *Tier) { t.vdialled(e.s, e.cc, e.err) }
 
 func (e vpong) apply(t *Tier) {

@@ -659,8 +659,7 @@ func TestQueueDirectWriteKeepsOrder(t *testing.T) {
 		b, _ := io.ReadAll(in)
 		received <- b
 	}()
-	cc := &ctrlConn{c: out}
-	cc.out.cond = sync.NewCond(&cc.out.Mutex)
+	cc := newCtrlConn(out)
 	cc.raw, _ = out.(*net.TCPConn).SyscallConn()
 	done := make(chan struct{})
 	go func() { defer close(done); (&Tier{}).writer(cc) }()
@@ -689,5 +688,80 @@ func TestQueueDirectWriteKeepsOrder(t *testing.T) {
 	}
 	if direct == 0 {
 		t.Fatal("no frame was offered to the direct write")
+	}
+}
+
+// S8.5: a control connection's reader does not run ahead of the manager
+// without bound. Frames it read and posted wait in memory until a pass
+// applies them, so a peer sending faster than the manager serves (a flood
+// of 65,536-key lookups while one is served) grew the event queue with all
+// it sent; frames deferred while a retiring duplicate drains stayed there
+// after their bytes were given back. The reader must stop once
+// maxUnapplied bytes wait, and go on once they are served. No manager
+// runs here: the test applies the events itself.
+func TestReaderBoundsUnappliedFrames(t *testing.T) {
+	for _, draining := range []bool{false, true} {
+		t.Run(fmt.Sprint("draining=", draining), func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				defer func(v int) { maxUnapplied = v }(maxUnapplied)
+				maxUnapplied = 1 << 20
+				a, b := net.Pipe()
+				tr := &Tier{env: offload.TierEnv{Now: time.Now, Wake: func() {}}}
+				cc := newCtrlConn(a)
+				s := &session{conn: cc}
+				cc.s = s
+				retiring := newCtrlConn(nil)
+				if draining { // a duplicate that was active and has not sent its marker
+					retiring.wasActive = true
+					s.old = []*ctrlConn{retiring}
+				}
+				done := make(chan struct{})
+				go func() { defer close(done); tr.reader(cc) }()
+				frame := wire.Append(nil, wire.Pong{Seq: 1}) // handled with no roles in the session
+				const frames = 20000                          // 5.3 MiB counted
+				limit := maxUnapplied/frameCost + 1 // each frame counts at least frameCost; one more may wait
+				wrote := make(chan struct{})
+				go func() {
+					defer close(wrote)
+					for range frames {
+						if _, err := b.Write(frame); err != nil {
+							return
+						}
+					}
+				}()
+				defer func() {
+					tr.endConn(cc) // wakes a reader that waits
+					b.Close()
+					a.Close()
+					<-done
+					<-wrote
+				}()
+				apply := func() int {
+					tr.ev.Lock()
+					q := tr.ev.q
+					tr.ev.q = nil
+					tr.ev.Unlock()
+					for _, e := range q {
+						e.apply(tr) // handled or deferred
+					}
+					return len(q)
+				}
+				synctest.Wait() // the reader read everything or waits for the manager
+				if n := apply(); n > limit {
+					t.Fatalf("%d frames read before a pass, want at most %d (maxUnapplied %d KiB)", n, limit, maxUnapplied>>10)
+				}
+				synctest.Wait()
+				n := apply()
+				switch {
+				case draining && n != 0:
+					t.Errorf("%d more frames read while the first ones wait deferred, want 0", n)
+				case !draining && n == 0:
+					t.Error("the reader did not go on once its frames were applied")
+				}
+				if draining && len(s.deferred) > limit {
+					t.Errorf("%d frames deferred, want at most %d", len(s.deferred), limit)
+				}
+			})
+		})
 	}
 }

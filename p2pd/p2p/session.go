@@ -126,6 +126,13 @@ func (cc *ctrlConn) release(n int) {
 	in.Unlock()
 }
 
+func newCtrlConn(c net.Conn) *ctrlConn {
+	cc := &ctrlConn{c: c}
+	cc.out.cond = sync.NewCond(&cc.out.Mutex)
+	cc.in.cond = sync.NewCond(&cc.in.Mutex)
+	return cc
+}
+
 func (t *Tier) newSession(dialed bool, addr string) *session {
 	s := &session{t: t, dialed: dialed, addr: addr, cons: t.conss.New(), prod: t.prods.New(),
 		live: protocol.Liveness{Interval: time.Duration(t.cfg.KeepaliveInterval), Timeout: time.Duration(t.cfg.KeepaliveTimeout)}}
@@ -156,9 +163,8 @@ func (t *Tier) established(pending *session, c net.Conn, sh shaken) {
 	if pending != nil && pending.dead {
 		pending = nil
 	}
-	cc := &ctrlConn{c: c, dialer: sh.Dialer, nonce: sh.DialNonce}
-	cc.out.cond = sync.NewCond(&cc.out.Mutex)
-	cc.in.cond = sync.NewCond(&cc.in.Mutex)
+	cc := newCtrlConn(c)
+	cc.dialer, cc.nonce = sh.Dialer, sh.DialNonce
 	if tc, ok := c.(*net.TCPConn); ok { // exactly a socket: a wrapper (TLS) writes through itself
 		cc.raw, _ = tc.SyscallConn()
 	}
@@ -301,9 +307,7 @@ func (t *Tier) endConn(cc *ctrlConn) {
 	cc.out.Unlock()
 	cc.in.Lock()
 	cc.in.closed = true
-	if cc.in.cond != nil {
-		cc.in.cond.Broadcast()
-	}
+	cc.in.cond.Broadcast()
 	cc.in.Unlock()
 	if s := cc.s; s != nil {
 		s.old = slices.DeleteFunc(s.old, func(o *ctrlConn) bool { return o == cc })

@@ -11,7 +11,6 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"sync"
 	"time"
 
 	"github.com/kvtier/kvtier/p2pd/p2p/protocol"
@@ -235,7 +234,7 @@ func (t *Tier) serveZMTP(c net.Conn) {
 	}
 	var first vllmwire.Msg
 	if err == nil {
-		first, err = t.vread(z)
+		first, _, err = t.vread(z)
 	}
 	if err != nil {
 		t.handshakeFailed(c, err)
@@ -249,19 +248,19 @@ func (t *Tier) serveZMTP(c net.Conn) {
 }
 
 func newZConn(c net.Conn, z *zmtp.Conn) *ctrlConn {
-	cc := &ctrlConn{c: c, z: z}
-	cc.out.cond = sync.NewCond(&cc.out.Mutex)
+	cc := newCtrlConn(c)
+	cc.z = z
 	return cc
 }
 
 // vread reads the next message of one frame; a message of more frames is
 // dropped, as vLLM's ROUTER drops it. A payload that is not a vLLM
 // message is wire.ErrMalformed.
-func (t *Tier) vread(z *zmtp.Conn) (vllmwire.Msg, error) {
+func (t *Tier) vread(z *zmtp.Conn) (m vllmwire.Msg, n int, err error) {
 	for {
 		parts, err := z.ReadMessage()
 		if err != nil {
-			return vllmwire.Msg{}, err
+			return vllmwire.Msg{}, 0, err
 		}
 		if len(parts) != 1 {
 			t.warnLimited("p2p: dropping a vLLM message of more than one frame", "frames", len(parts))
@@ -269,9 +268,9 @@ func (t *Tier) vread(z *zmtp.Conn) (vllmwire.Msg, error) {
 		}
 		m, err := vllmwire.Decode(parts[0])
 		if err != nil {
-			return m, fmt.Errorf("%w: %w", wire.ErrMalformed, err)
+			return m, 0, fmt.Errorf("%w: %w", wire.ErrMalformed, err)
 		}
-		return m, nil
+		return m, len(parts[0]), nil
 	}
 }
 
@@ -280,12 +279,15 @@ func (t *Tier) vread(z *zmtp.Conn) (vllmwire.Msg, error) {
 func (t *Tier) vpipeReader(cc *ctrlConn) {
 	defer cc.c.Close()
 	for {
-		m, err := t.vread(cc.z)
+		m, n, err := t.vread(cc.z)
+		if err == nil && !cc.admit(n+frameCost) {
+			err = net.ErrClosed
+		}
 		if err != nil {
 			t.post(connClosed{cc, err})
 			return
 		}
-		t.post(vframe{cc, m})
+		t.post(vframe{cc, m, n + frameCost})
 	}
 }
 
