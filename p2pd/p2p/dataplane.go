@@ -45,8 +45,12 @@ type DataPlane interface {
 	// Unexpect drops a round's expectation; done runs once no block of it
 	// is being read into a slot.
 	Unexpect(peer string, round uint64, done func())
-	// Accept takes a data connection that arrived on the P2P port.
-	Accept(c net.Conn, h wire.Hello)
+	// Admit is asked, once a data connection that arrived on the P2P port
+	// proved it comes from peer, whether the plane takes it: false at the
+	// plane's cap (max_data_conns), and the dialler is refused. When true,
+	// accept must be called once: with the connection when its handshake
+	// succeeded, or with nil when it failed after all.
+	Admit(peer string) (accept func(net.Conn), ok bool)
 	Close() error
 }
 
@@ -139,9 +143,17 @@ type tcpPeer struct {
 	out     []*outConn         // under the plane's mu
 	q       sendQueue
 	in      map[net.Conn]bool
+	admits  int // connections admitted whose handshake has not ended (under the plane's mu)
 	readers sync.WaitGroup
 	dialMu  sync.Mutex // one dialler at a time
+	full    time.Time  // the peer refused a connection for its max_data_conns: no more dials until then (under dialMu)
 }
+
+// fullFor is how long a producer keeps the connections it has after the
+// peer refused one more for its cap, before it tries again: the peer's
+// max_data_conns is below this node's data_conns, or its old connections
+// have not closed yet.
+const fullFor = time.Minute
 
 type expectation struct {
 	left    map[uint32]bool
@@ -313,6 +325,9 @@ func (p *TCPPlane) dial(peer string, tp *tcpPeer) ([]*outConn, error) {
 	clear(tp.out[len(live):])
 	tp.out = live
 	missing := p.cfg.Conns - len(tp.out)
+	if len(tp.out) > 0 && now.Before(tp.full) {
+		missing = 0
+	}
 	addr := tp.addr
 	p.mu.Unlock()
 	for range missing {
@@ -333,6 +348,9 @@ func (p *TCPPlane) dial(peer string, tp *tcpPeer) ([]*outConn, error) {
 		}
 		cancel()
 		if err != nil {
+			if r := (*protocol.Reject)(nil); errors.As(err, &r) && r.ByPeer && r.Code == wire.CodeCapacity {
+				tp.full = time.Now().Add(fullFor)
+			}
 			err = fmt.Errorf("p2p: data connection to %s: %w", addr, err)
 			p.mu.Lock()
 			out := slices.Clone(tp.out)
@@ -518,39 +536,66 @@ func (p *TCPPlane) Unexpect(peer string, round uint64, done func()) {
 	}
 }
 
-// Accept serves one inbound data connection from a known peer; the tier
-// authenticated it. Beyond MaxIn of a peer's, it is closed and counted.
-func (p *TCPPlane) Accept(c net.Conn, h wire.Hello) {
+// Admit takes one more of a known peer's inbound data connections, up to
+// MaxIn (those open and those admitted whose handshake has not ended);
+// beyond, the dialler is refused and it is counted. accept serves the
+// connection, reading its blocks straight into their slots.
+func (p *TCPPlane) Admit(peer string) (accept func(net.Conn), ok bool) {
 	p.mu.Lock()
-	tp := p.peers[h.NodeID]
+	defer p.mu.Unlock()
+	tp := p.peers[peer]
 	if tp == nil || p.closed {
-		p.mu.Unlock()
+		return p.stray, true
+	}
+	if len(tp.in)+tp.admits >= p.cfg.MaxIn {
+		p.capDrops.Add(1)
+		return nil, false
+	}
+	tp.admits++
+	return func(c net.Conn) {
+		p.mu.Lock()
+		tp.admits--
+		if c == nil {
+			p.mu.Unlock()
+			return
+		}
+		if p.closed || p.peers[peer] != tp {
+			p.mu.Unlock()
+			p.stray(c)
+			return
+		}
+		tp.in[c] = true
+		tp.readers.Add(1)
+		defer p.mu.Unlock() // the goroutine starts under mu, never after Close's Wait began
+		p.wg.Go(func() {
+			defer tp.readers.Done()
+			var err error
+			lowered(p.cfg.Nice, func() { err = p.read(peer, c) })
+			p.mu.Lock()
+			delete(tp.in, c)
+			p.mu.Unlock()
+			c.Close()
+			if err != nil && !errors.Is(err, io.EOF) && !errors.Is(err, net.ErrClosed) {
+				p.log.Warn("p2p: data connection dropped", "peer", peer, "err", err)
+			}
+		})
+	}, true
+}
+
+// closeData is Admit's accept for a plane without TCP data connections.
+func closeData(c net.Conn) {
+	if c != nil {
+		c.Close()
+	}
+}
+
+// stray closes a data connection of a peer the plane does not know (it
+// left while the connection was in its handshake), counted.
+func (p *TCPPlane) stray(c net.Conn) {
+	if c != nil {
 		p.strays.Add(1)
 		c.Close()
-		return
 	}
-	if len(tp.in) >= p.cfg.MaxIn {
-		p.mu.Unlock()
-		p.capDrops.Add(1)
-		p.log.Warn("p2p: data connection cap reached; closing one", "peer", h.NodeID, "max_data_conns", p.cfg.MaxIn)
-		c.Close()
-		return
-	}
-	tp.in[c] = true
-	tp.readers.Add(1)
-	defer p.mu.Unlock() // the goroutine starts under mu, never after Close's Wait began
-	p.wg.Go(func() {
-		defer tp.readers.Done()
-		var err error
-		lowered(p.cfg.Nice, func() { err = p.read(h.NodeID, c) })
-		p.mu.Lock()
-		delete(tp.in, c)
-		p.mu.Unlock()
-		c.Close()
-		if err != nil && !errors.Is(err, io.EOF) && !errors.Is(err, net.ErrClosed) {
-			p.log.Warn("p2p: data connection dropped", "peer", h.NodeID, "err", err)
-		}
-	})
 }
 
 // read reads blocks from a peer's data connection straight into their

@@ -120,7 +120,8 @@ func (hs *handshaker) dialData(c net.Conn, peer peerID) error {
 }
 
 // acceptData authenticates a data connection whose Hello the caller read;
-// known says whether this node holds a session with a process.
-func (hs *handshaker) acceptData(c net.Conn, hello wire.Hello, known func(peerID) bool) error {
-	return run(c, hs.AcceptData(hello, newNonce(), known(peerID{Node: hello.NodeID, Inc: hello.Incarnation}), func() []byte { return binding(c) }))
+// known says whether this node holds a session with a process, admit
+// whether there is room for the connection (protocol.Shaker.AcceptData).
+func (hs *handshaker) acceptData(c net.Conn, hello wire.Hello, known func(peerID) bool, admit func() bool) error {
+	return run(c, hs.AcceptData(hello, newNonce(), known(peerID{Node: hello.NodeID, Inc: hello.Incarnation}), func() []byte { return binding(c) }, admit))
 }

@@ -453,7 +453,7 @@ func TestDataStallInsideBlock(t *testing.T) {
 		p.Expect("prod", 1, []uint32{0}, func(err error) { done <- err })
 		a, b := net.Pipe()
 		defer b.Close()
-		p.Accept(a, wire.Hello{NodeID: "prod"})
+		admitData(t, p, "prod", a)
 		var hdr [wire.DataHeaderSize]byte
 		wire.PutDataHeader(hdr[:], wire.DataHeader{Round: 1, Slot: 0, Len: uint32(nd.m.BlockBytes())})
 		b.Write(hdr[:])
@@ -546,7 +546,7 @@ func TestDataConnectionsShareOneQueue(t *testing.T) {
 			p, _ := wire.ReadFrame(c, nil, wire.MaxPreAuthFrame)
 			m, _ := wire.Decode(p)
 			h, _ := m.(wire.Hello)
-			if err := f.shaker().acceptData(c, h, func(peerID) bool { return true }); err != nil {
+			if err := f.shaker().acceptData(c, h, func(peerID) bool { return true }, nil); err != nil {
 				t.Fatal(err)
 			}
 			if i == 0 {
@@ -589,10 +589,10 @@ func TestBulkThreadsNiced(t *testing.T) {
 	// Two connections: neither reader runs on the main thread (see lowered).
 	a, b := net.Pipe()
 	defer b.Close()
-	p.Accept(a, wire.Hello{NodeID: "prod"})
+	admitData(t, p, "prod", a)
 	a2, b2 := net.Pipe()
 	defer b2.Close()
-	p.Accept(a2, wire.Hello{NodeID: "prod"})
+	admitData(t, p, "prod", a2)
 	deadline := time.Now().Add(5 * time.Second)
 	for niced(t, nice) == 0 {
 		if time.Now().After(deadline) {
@@ -718,8 +718,8 @@ func TestReaderBoundsUnappliedFrames(t *testing.T) {
 				done := make(chan struct{})
 				go func() { defer close(done); tr.reader(cc) }()
 				frame := wire.Append(nil, wire.Pong{Seq: 1}) // handled with no roles in the session
-				const frames = 20000                          // 5.3 MiB counted
-				limit := maxUnapplied/frameCost + 1 // each frame counts at least frameCost; one more may wait
+				const frames = 20000                         // 5.3 MiB counted
+				limit := maxUnapplied/frameCost + 1          // each frame counts at least frameCost; one more may wait
 				wrote := make(chan struct{})
 				go func() {
 					defer close(wrote)
@@ -763,5 +763,41 @@ func TestReaderBoundsUnappliedFrames(t *testing.T) {
 				}
 			})
 		})
+	}
+}
+
+// admitData hands c to p as an inbound data connection of peer whose
+// handshake succeeded.
+func admitData(t *testing.T, p *TCPPlane, peer string, c net.Conn) {
+	t.Helper()
+	accept, ok := p.Admit(peer)
+	if !ok {
+		t.Fatalf("data connection of %s refused", peer)
+	}
+	accept(c)
+}
+
+// S7.1, S8.1: a producer that opens more data connections than the
+// consumer's max_data_conns is refused in the handshake, before it sends a
+// block, so its rounds go over the connections it has (they used to be
+// closed unread, the blocks written on them were lost and the round
+// failed); and it dials no more for fullFor, so one refusal is counted
+// for three fetches.
+func TestDataConnsBeyondPeersCap(t *testing.T) {
+	prod := newNode(t, nil, func(c *Config) { c.DataConns = 3 }, 64)
+	cons := newNode(t, nil, func(c *Config) { c.DataConns, c.MaxDataConns = 1, 1 }, 64)
+	all := []offload.Result{offload.Hit, offload.Hit, offload.Hit, offload.Hit, offload.Hit, offload.Hit}
+	for i := range 3 {
+		keys := testKeys(40+i, 6)
+		prod.store(t, keys)
+		if got := cons.fetchFrom(t, fmt.Sprint("kv", i), prod.tier.Addr(), keys); fmt.Sprint(got) != fmt.Sprint(all) {
+			t.Fatalf("fetch %d: %v, want six hits", i, got)
+		}
+	}
+	if v := stat(cons, "kv_offload_p2p_data_cap_drops_total"); v != 1 {
+		t.Errorf("data connections refused %v, want 1", v)
+	}
+	if v := stat(cons, "kv_offload_p2p_handshake_rejects_total"); v != 1 {
+		t.Errorf("handshake rejects %v, want 1 (capacity)", v)
 	}
 }

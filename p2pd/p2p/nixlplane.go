@@ -461,8 +461,8 @@ func (p *NIXLPlane) Unexpect(peer string, round uint64, done func()) {
 	}
 }
 
-// Accept refuses TCP data connections: this plane has none.
-func (p *NIXLPlane) Accept(c net.Conn, _ wire.Hello) { c.Close() }
+// Admit closes TCP data connections: this plane has none.
+func (p *NIXLPlane) Admit(string) (func(net.Conn), bool) { return closeData, true }
 
 // Close removes every peer (letting transfers in flight end, as
 // RemovePeer does), then deregisters the arena and destroys the agent.

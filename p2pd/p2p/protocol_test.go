@@ -52,7 +52,7 @@ func readBlocks(t *testing.T, f *fakePeer, l net.Listener, n, size int) map[uint
 				}
 				m, _ := wire.Decode(p)
 				h, _ := m.(wire.Hello)
-				if err := f.shaker().acceptData(c, h, func(peerID) bool { return true }); err != nil {
+				if err := f.shaker().acceptData(c, h, func(peerID) bool { return true }, nil); err != nil {
 					t.Errorf("data handshake: %v", err)
 					return
 				}

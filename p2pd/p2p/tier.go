@@ -502,13 +502,21 @@ func (t *Tier) serveConn(c net.Conn) {
 		return
 	}
 	if h.Kind == wire.KindData {
-		if err := t.hs.acceptData(c, h, t.live.has); err != nil {
+		var accept func(net.Conn)
+		admit := func() (ok bool) {
+			accept, ok = t.dp.Admit(h.NodeID)
+			return ok
+		}
+		if err := t.hs.acceptData(c, h, t.live.has, admit); err != nil {
+			if accept != nil {
+				accept(nil)
+			}
 			t.handshakeFailed(c, err)
 			c.Close()
 			return
 		}
 		c.SetDeadline(time.Time{})
-		t.dp.Accept(c, h)
+		accept(c)
 		return
 	}
 	if t.nready.Load() >= int64(t.cfg.MaxSessions) {
@@ -837,7 +845,7 @@ func (t *Tier) Stats() []offload.Stat {
 			offload.Stat{Name: "kv_offload_p2p_data_bytes_received_total", Type: "counter", Help: "Block bytes read from peers.", Value: float64(tp.bytesIn.Load())},
 			offload.Stat{Name: "kv_offload_p2p_crc_errors_total", Type: "counter", Help: "Blocks whose CRC32C did not match (S7.2).", Value: float64(tp.crcErrors.Load())},
 			offload.Stat{Name: "kv_offload_p2p_unexpected_blocks_total", Type: "counter", Help: "Blocks (TCP: data connections dropped for one; NIXL: round notifications) nobody expected.", Value: float64(tp.strays.Load())},
-			offload.Stat{Name: "kv_offload_p2p_data_cap_drops_total", Type: "counter", Help: "Inbound data connections closed because the peer had max_data_conns.", Value: float64(tp.capDrops.Load())})
+			offload.Stat{Name: "kv_offload_p2p_data_cap_drops_total", Type: "counter", Help: "Inbound data connections refused in their handshake because the peer had max_data_conns.", Value: float64(tp.capDrops.Load())})
 	}
 	return st
 }

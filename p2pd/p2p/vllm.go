@@ -749,5 +749,5 @@ func (NonePlane) Expect(_ string, _ uint64, _ []uint32, done func(error)) {
 	done(ErrNoDataPlane)
 }
 func (NonePlane) Unexpect(_ string, _ uint64, done func()) { done() }
-func (NonePlane) Accept(c net.Conn, _ wire.Hello)          { c.Close() }
+func (NonePlane) Admit(string) (func(net.Conn), bool)      { return closeData, true }
 func (NonePlane) Close() error                             { return nil }

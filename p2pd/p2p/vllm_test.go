@@ -16,7 +16,6 @@ import (
 
 	"github.com/kvtier/kvtier/offload"
 	"github.com/kvtier/kvtier/p2pd/vllmwire"
-	"github.com/kvtier/kvtier/p2pd/wire"
 	"github.com/kvtier/kvtier/p2pd/zmtp"
 )
 
@@ -103,8 +102,8 @@ func (p *memPlane) Unexpect(peer string, round uint64, done func()) {
 	}
 	done()
 }
-func (p *memPlane) Accept(c net.Conn, _ wire.Hello) { c.Close() }
-func (p *memPlane) Close() error                    { memArenas.Delete(p.name); return nil }
+func (p *memPlane) Admit(string) (func(net.Conn), bool) { return closeData, true }
+func (p *memPlane) Close() error                        { memArenas.Delete(p.name); return nil }
 
 // vllmConfig is a node's config for vLLM's dialect: vLLM's keys.
 func vllmConfig(slots int) offload.Config {

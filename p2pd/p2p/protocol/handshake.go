@@ -145,6 +145,7 @@ type Handshake struct {
 	want      PeerID        // a data dial: the process it must reach
 	bind      func() []byte // the channel binding, asked once the peer's first frame arrived
 	binding   []byte
+	admit     func() bool // a data acceptor: room for the connection, asked once the dialler proved itself
 	result    Shaken
 	out       []wire.Msg
 }
@@ -183,9 +184,12 @@ func (s *Shaker) AcceptControl(hello wire.Hello, nonce [32]byte, bind func() []b
 // AcceptData starts the acceptor's side of a data connection whose Hello
 // the I/O layer read: it must come from a process this node holds a
 // session with (known says whether it does), and prove the session key
-// before anything else is read from it.
-func (s *Shaker) AcceptData(hello wire.Hello, nonce [32]byte, known bool, bind func() []byte) *Handshake {
-	h := &Handshake{s: s, kind: wire.KindData, nonce: nonce, bind: bind,
+// before anything else is read from it. Once it did, admit (nil: always)
+// says whether this node takes one more of that peer's data connections;
+// if not, the dialler is refused with capacity before it sends a block
+// (S7.1), instead of having its connection closed unread.
+func (s *Shaker) AcceptData(hello wire.Hello, nonce [32]byte, known bool, bind func() []byte, admit func() bool) *Handshake {
+	h := &Handshake{s: s, kind: wire.KindData, nonce: nonce, bind: bind, admit: admit,
 		peer: PeerID{hello.NodeID, hello.Incarnation}, peerNonce: hello.Nonce}
 	if !known {
 		h.reject(wire.CodeAuth, "no session with that process")
@@ -338,6 +342,9 @@ func (h *Handshake) authed(a wire.Auth) error {
 			return h.reject(wire.CodeAuth, "data connection proof failed")
 		}
 		return h.reject(wire.CodeAuth, "cluster token proof failed")
+	}
+	if h.admit != nil && !h.admit() {
+		return h.reject(wire.CodeCapacity, "max_data_conns of this peer's data connections are open")
 	}
 	h.send(wire.Auth{Proof: h.proof("acceptor")})
 	if h.kind == wire.KindData {

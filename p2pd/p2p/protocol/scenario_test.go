@@ -93,7 +93,8 @@ func (s *shakeScenario) do(t *testing.T, c *script.Cmd) string {
 		sc.toA = sc.toA[1:]
 		a := s.nodes[sc.acceptor]
 		if hello.Kind == wire.KindData {
-			sc.a = a.AcceptData(hello, nonce(c, "2"), !c.Has("unknown"), bindOf(c))
+			full := c.Has("full")
+			sc.a = a.AcceptData(hello, nonce(c, "2"), !c.Has("unknown"), bindOf(c), func() bool { return !full })
 		} else {
 			sc.a = a.AcceptControl(hello, nonce(c, "2"), bindOf(c))
 		}
