@@ -70,7 +70,8 @@ type Config struct {
 	// B2 was met without it (docs/benchmarks.md, issue 12).
 	DataNice int `json:"data_nice"`
 	// DataIdleTimeout closes an inbound data connection that carried no
-	// block for this long (the producer dials again when it needs one).
+	// block for this long (the producer dials again when it needs one),
+	// and bounds each block's read and write.
 	DataIdleTimeout offload.Duration `json:"data_idle_timeout"`
 	// DataPlane moves the blocks: "tcp" (the default) or "nixl" (a binary
 	// built with the nixl tag; every peer must use the same).

@@ -467,6 +467,9 @@ func (p *TCPPlane) writer(o *outConn) {
 			// The block goes out with its CRC32C after it: the one recorded
 			// when it entered the CPU tier, so the block is read once (S7.2).
 			wire.PutDataHeader(hdr[:], t.hdr)
+			if p.cfg.IdleTimeout > 0 { // a consumer that stops reading inside a block is cut off, as it cuts off a stalled producer
+				o.c.SetWriteDeadline(time.Now().Add(p.cfg.IdleTimeout))
+			}
 			err = writeChecked(o.c, hdr[:], p.arena.Slot(int(t.local)), p.arena.SumOf(int(t.local)))
 			if err != nil {
 				o.kill(err)

@@ -801,3 +801,47 @@ func TestDataConnsBeyondPeersCap(t *testing.T) {
 		t.Errorf("handshake rejects %v, want 1 (capacity)", v)
 	}
 }
+
+// S6.6, S8.1: a consumer that stops reading inside a block is cut off
+// after data_idle_timeout, as a producer that stalls inside one is: the
+// round fails (transfer_done not ok) instead of holding the producer's
+// writer and the round's pins for as long as the session lives.
+func TestDataWriteStallCutOff(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		mn := newMemNet()
+		prod := newNode(t, mn, func(c *Config) {
+			c.DataConns, c.DataIdleTimeout = 1, offload.Duration(time.Minute)
+		}, 8)
+		keys := testKeys(1, 2)
+		prod.store(t, keys)
+		dataL, _ := mn.Listen("fake:1")
+		f := connectFake(t, mn, prod, "fake")
+		f.send(wire.Lookup{ReqID: "kv", Round: 1, Keys: wkeys(keys)})
+		expect[wire.LookupResp](t, f)
+		f.send(wire.Fetch{ReqID: "kv", Round: 1, Keys: wkeys(keys), Slots: []uint32{0, 1}})
+		c, err := dataL.Accept()
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		p, _ := wire.ReadFrame(c, nil, wire.MaxPreAuthFrame)
+		m, _ := wire.Decode(p)
+		if err := f.shaker().acceptData(c, m.(wire.Hello), func(peerID) bool { return true }, nil); err != nil {
+			t.Fatal(err)
+		}
+		start := time.Now()
+		var done wire.TransferDone
+		select { // nothing is read from c
+		case m := <-f.recv:
+			var ok bool
+			if done, ok = m.(wire.TransferDone); !ok {
+				t.Fatalf("fake peer got %T %+v, want transfer_done", m, m)
+			}
+		case <-time.After(10 * time.Minute):
+			t.Fatal("no transfer_done 10m after the consumer stopped reading")
+		}
+		if done.OK || time.Since(start) < time.Minute {
+			t.Errorf("transfer_done %+v after %v, want a failure after the 1m idle timeout", done, time.Since(start))
+		}
+	})
+}
