@@ -42,6 +42,11 @@ type Producers struct {
 	hitIdx []int
 }
 
+// maxScratchKeys is the largest lookup whose scratch Serve keeps for the
+// next: clear costs what a map grew to, so one 65,536-key lookup would
+// slow every lookup served after it.
+const maxScratchKeys = 4096
+
 // New returns the producer of one session.
 func (ps *Producers) New() *Producer {
 	return &Producer{ps: ps, rounds: map[RoundID]*round{}, pins: map[uint64]*round{}}
@@ -146,7 +151,14 @@ func (p *Producer) serve(parent offload.Parent, l *lookup, now time.Time) bool {
 		ps.first = map[offload.Key]int{}
 	}
 	first, hitIdx := ps.first, ps.hitIdx[:0] // a key sent twice gets the answer of its first occurrence
-	defer func() { clear(first); ps.hitIdx = hitIdx[:0] }()
+	defer func() {
+		if len(first) > maxScratchKeys { // clear costs what the map grew to, for every lookup after
+			ps.first, ps.hitIdx = nil, nil
+			return
+		}
+		clear(first)
+		ps.hitIdx = hitIdx[:0]
+	}()
 	for i, wk := range m.Keys {
 		k := offload.Key(wk)
 		if _, dup := first[k]; dup {

@@ -205,3 +205,28 @@ func TestLiveness(t *testing.T) {
 		t.Error("dead after the pong")
 	}
 }
+
+// S8.5: the scratch Serve shares between lookups is bounded by the lookup
+// being served: after one of more than maxScratchKeys keys it is dropped,
+// not kept for every later lookup to clear.
+func TestServeScratchShrinks(t *testing.T) {
+	ps := &Producers{Config: ProducerConfig{LookupHold: time.Second, PinHold: time.Second, BlockBytes: 1}}
+	p, par := ps.New(), newParent()
+	p.Peer = "peer"
+	t0 := time.Unix(1000, 0)
+	for round, n := range []int{maxScratchKeys + 1, 16} {
+		keys := make([]wire.Key, n)
+		for i := range keys {
+			keys[i] = wire.Key{byte(i), byte(i >> 8), byte(round)}
+		}
+		p.Lookup(wire.Lookup{ReqID: "kv", Round: uint64(round + 1), Keys: keys}, t0)
+		p.Serve(par, t0)
+		p.Take()
+		if round == 0 && ps.first != nil {
+			t.Errorf("after a %d-key lookup the scratch is kept", n)
+		}
+	}
+	if ps.first == nil { // a small lookup's is kept for the next
+		t.Error("after a 16-key lookup the scratch is dropped")
+	}
+}
