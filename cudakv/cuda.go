@@ -348,12 +348,14 @@ func (b *cudaBackend) close() error {
 	var errs []error
 	b.mu.Lock()
 	defer b.mu.Unlock()
+	var synced error // a batch still in flight reports a failed sync: its copy may not have happened
 	for _, dir := range []C.int{0, 1} {
-		errs = append(errs, cudaErr("cuStreamSynchronize", C.kv_stream_sync(b.ctx, dir)))
+		synced = errors.Join(synced, cudaErr("cuStreamSynchronize", C.kv_stream_sync(b.ctx, dir)))
 	}
+	errs = append(errs, synced)
 	for _, r := range slices.Clone(b.inflight) {
 		t := r.t
-		t.finish(b.endLocked(r, nil))
+		t.finish(b.endLocked(r, synced))
 	}
 	b.inflight, b.free = nil, nil
 	for _, r := range b.allocated {
