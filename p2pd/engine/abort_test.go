@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"runtime"
+	"slices"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -317,6 +318,73 @@ func TestPauseAbortWaitsForDigest(t *testing.T) {
 	if g.clash.Load() {
 		t.Error("a request computed into a GPU block a digest was reading")
 	}
+	e.Resume()
+	checkFreed(t, e)
+}
+
+// waitFor polls cond until it holds, failing the test after 5 s.
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("after 5 s: %s", what)
+		}
+		runtime.Gosched()
+	}
+}
+
+// S8.5: a request whose caller stopped waiting (Submit's ctx ended: the
+// admin client disconnected) leaves the engine. Queued while paused, it
+// leaves the queue at once (it stayed there until resume, then ran for
+// no one: a client retrying against a paused node grew the queue without
+// bound); running, it is aborted once its copy ends, and stores nothing.
+func TestCancelledRequestLeaves(t *testing.T) {
+	e, m, g := newGated(t, nil)
+	toks := tokens(12, 16*2)
+	if _, err := e.Submit(context.Background(), Request{ID: "a", Tokens: toks}); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.Pause(PauseWait, false, 10*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	queued := make(chan error, 1)
+	go func() {
+		_, err := e.Submit(ctx, Request{ID: "queued", Tokens: toks})
+		queued <- err
+	}()
+	waitFor(t, "the request was not queued", func() bool { _, w := e.Counts(); return w == 1 })
+	cancel()
+	if err := <-queued; !errors.Is(err, context.Canceled) {
+		t.Fatalf("the cancelled queued request: %v", err)
+	}
+	waitFor(t, "a cancelled request stays queued", func() bool { _, w := e.Counts(); return w == 0 })
+	if err := e.Resume(); err != nil {
+		t.Fatal(err)
+	}
+
+	// Running: its load is held; two blocks hit, two would be computed.
+	ctx, cancel = context.WithCancel(context.Background())
+	running := make(chan error, 1)
+	go func() {
+		_, err := e.Submit(ctx, Request{ID: "running", Tokens: append(slices.Clone(toks), tokens(13, 16*2)...)})
+		running <- err
+	}()
+	<-g.started
+	cancel()
+	if err := <-running; !errors.Is(err, context.Canceled) {
+		t.Fatalf("the cancelled running request: %v", err)
+	}
+	waitFor(t, "the cancelled request was not aborted", func() bool { return m.Metrics().Requests == 0 })
+	close(g.release)
+	if err := e.Pause(PauseWait, false, 10*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	if used := m.Metrics().CPU.Used; used != 2 {
+		t.Errorf("%d CPU blocks used, want the first request's 2: the cancelled one computed and stored its own", used)
+	}
+	checkClean(t, e, m, "after the cancelled requests")
 	e.Resume()
 	checkFreed(t, e)
 }

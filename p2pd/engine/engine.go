@@ -117,7 +117,7 @@ type Engine struct {
 	keys  offload.KeyScheme
 	total int
 
-	inbox   chan any      // *job, pauseCmd, resumeCmd, shutdownCmd, resetCmd
+	inbox   chan any      // *job, *pauseCmd, resumeCmd, *shutdownCmd, cancelCmd
 	wake    chan struct{} // copies finished
 	done    chan struct{} // the loop returned
 	wg      sync.WaitGroup
@@ -174,6 +174,13 @@ type pauseCmd struct {
 }
 
 type resumeCmd struct{ reply chan error }
+
+// cancelCmd withdraws a job whose caller stopped waiting (Submit's ctx
+// ended): it leaves the queue, or is aborted if it runs.
+type cancelCmd struct {
+	j   *job
+	err error
+}
 
 type shutdownCmd struct {
 	deadline time.Time
@@ -251,6 +258,13 @@ func (e *Engine) Submit(ctx context.Context, r Request) (api.Result, error) {
 			return api.Result{}, ErrShuttingDown
 		}
 	case <-ctx.Done():
+		// Nobody will read the answer: the request leaves the queue, or is
+		// aborted (found in review: a client that left kept its request
+		// queued while paused, or running, for no one — S8.5).
+		select {
+		case e.inbox <- cancelCmd{j: j, err: context.Cause(ctx)}:
+		case <-e.done:
+		}
 		return api.Result{}, ctx.Err()
 	}
 }

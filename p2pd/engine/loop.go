@@ -157,6 +157,13 @@ func (e *Engine) handle(msg any) {
 		default:
 			c.reply <- fmt.Errorf("%w: resume while %v", ErrBadState, e.State())
 		}
+	case cancelCmd:
+		if i := slices.Index(e.waiting, c.j); i >= 0 {
+			e.waiting = slices.Delete(e.waiting, i, i+1)
+			c.j.reply <- jobReply{err: c.err} // unread: the channel holds one
+		} else if slices.Contains(e.active, c.j) {
+			e.abort(c.j, c.err) // a no-op once answered (a digest runs on)
+		}
 	case *shutdownCmd:
 		if e.shutdown != nil { // a second one may only bring the deadline forward
 			if c.deadline.Before(e.shutdown.deadline) {
