@@ -388,3 +388,43 @@ func TestCancelledRequestLeaves(t *testing.T) {
 	e.Resume()
 	checkFreed(t, e)
 }
+
+// A prompt is sized and keyed by Submit, not by the engine loop: one
+// larger than the GPU cache is refused before it is hashed, without the
+// loop, and the loop receives a job with its keys. (Found in review: the
+// loop hashed every prompt it received, so a 30-byte {"seed": 1,
+// "tokens": 4194304} held it for 0.12 s, pauses and every other request
+// behind it, before refusing it as too large.) The engine here has no
+// loop running: the loop's work would wait for ever.
+func TestPromptKeyedOffTheLoop(t *testing.T) {
+	cfg := offload.DefaultConfig()
+	cfg.Geometry = offload.Geometries["tiny"]
+	cfg.CPUHugePages = false
+	cfg.CPUBytes = int64(16 * cfg.Geometry.BlockBytes())
+	m, err := offload.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	e, err := New(m, Config{GPUBlocks: 8, Backend: "host"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second) // a bound on a hang
+	defer cancel()
+	if _, err := e.Submit(ctx, Request{ID: "huge", Tokens: make([]uint32, 1<<22)}); !errors.Is(err, ErrTooLarge) {
+		t.Errorf("a prompt of 262,144 blocks against 8: %v, want ErrTooLarge from Submit", err)
+	}
+	sent := make(chan error, 1)
+	go func() {
+		_, err := e.Submit(ctx, Request{ID: "a", Tokens: tokens(14, 16*3)})
+		sent <- err
+	}()
+	j := (<-e.inbox).(*job)
+	if len(j.keys) != 3 || j.chain == nil {
+		t.Errorf("the loop received a job with %d keys, want its 3 computed", len(j.keys))
+	}
+	cancel()
+	<-sent
+}

@@ -126,14 +126,7 @@ func (e *Engine) handle(msg any) {
 			c.reply <- jobReply{err: ErrShuttingDown}
 			return
 		}
-		c.start = time.Now()
-		c.chain = offload.NewChain(e.keys, e.geo.BlockTokens, c.r.Tokens)
-		c.keys = c.chain.Keys
-		if len(c.keys) > e.total {
-			c.reply <- jobReply{err: fmt.Errorf("%w: %d blocks, the cache has %d", ErrTooLarge, len(c.keys), e.total)}
-			return
-		}
-		e.waiting = append(e.waiting, c)
+		e.waiting = append(e.waiting, c) // sized and keyed by Submit
 	case *pauseCmd:
 		if e.State() != Running {
 			c.reply <- fmt.Errorf("%w: pause while %v", ErrBadState, e.State())
