@@ -119,6 +119,7 @@ func (s *Spec) slots() int { return len(s.Arena) / s.SlotStride }
 type Mover struct {
 	spec    Spec
 	backend backend
+	name    string // backend.name() at Open: the CUDA one reads a context Close frees
 	log     *slog.Logger
 
 	mu     sync.Mutex
@@ -178,11 +179,15 @@ func Open(spec Spec) (*Mover, error) {
 	if err != nil {
 		return nil, err
 	}
+	m.name = m.backend.name()
 	return m, nil
 }
 
-// Backend names the backend in use ("host", or "cuda: <device name>").
-func (m *Mover) Backend() string { return m.backend.name() }
+// Backend names the backend in use ("host", or "cuda: <device name>"),
+// also after Close (found in review: the CUDA backend's name was read
+// from its context, freed by Close, and GET /v0/status asks for it while
+// the node shuts down).
+func (m *Mover) Backend() string { return m.name }
 
 // RegisterTime is how long registering the arena for device access took
 // (zero for the host backend).

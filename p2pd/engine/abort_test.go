@@ -428,3 +428,43 @@ func TestPromptKeyedOffTheLoop(t *testing.T) {
 	cancel()
 	<-sent
 }
+
+// closedNames is the reference executor that records a Backend call
+// after its Close (the CUDA backend's name lived in the context Close
+// frees).
+type closedNames struct {
+	Executor
+	closed, askedAfter atomic.Bool
+}
+
+func (c *closedNames) Backend() string {
+	if c.closed.Load() {
+		c.askedAfter.Store(true)
+	}
+	return c.Executor.Backend()
+}
+
+func (c *closedNames) Close() error { c.closed.Store(true); return c.Executor.Close() }
+
+// Engine.Backend answers after Close without asking the closed executor:
+// GET /v0/status answers until the node's end, and Node.Shutdown closes
+// the engine before the admin API (found in review: with the CUDA
+// backend that read the name from a freed context).
+func TestBackendAfterClose(t *testing.T) {
+	c := &closedNames{}
+	e, _ := newEngineWith(t, 16, 8, func(m *offload.Manager) Executor {
+		x, err := NewReference(m, 8, "host", nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		c.Executor = x
+		return c
+	})
+	if err := e.Shutdown(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	e.Close()
+	if got := e.Backend(); got != "host" || c.askedAfter.Load() {
+		t.Errorf("Backend after Close: %q, asked the closed executor: %v", got, c.askedAfter.Load())
+	}
+}

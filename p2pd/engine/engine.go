@@ -112,6 +112,7 @@ const (
 type Engine struct {
 	m     *offload.Manager
 	x     Executor
+	xname string // x.Backend() at New: Backend is read after Close (status during shutdown)
 	log   *slog.Logger
 	geo   offload.Geometry
 	keys  offload.KeyScheme
@@ -211,12 +212,15 @@ func New(m *offload.Manager, cfg Config) (*Engine, error) {
 	for b := cfg.GPUBlocks - 1; b >= 0; b-- {
 		e.free = append(e.free, int32(b))
 	}
-	log.Info("engine: executor ready", "copies", x.Backend(), "gpu_blocks", cfg.GPUBlocks)
+	e.xname = x.Backend()
+	log.Info("engine: executor ready", "copies", e.xname, "gpu_blocks", cfg.GPUBlocks)
 	return e, nil
 }
 
-// Backend names the copy backend ("host" or "cuda: <device>").
-func (e *Engine) Backend() string { return e.x.Backend() }
+// Backend names the copy backend ("host" or "cuda: <device>"); it does
+// not ask the executor, which may be closed (GET /v0/status answers until
+// the node's end, after Close).
+func (e *Engine) Backend() string { return e.xname }
 
 // State returns the engine's state.
 func (e *Engine) State() State { return State(e.state.Load()) }

@@ -26,6 +26,7 @@ type Executor interface {
 	// more pieces (kv_digest). Digest goroutines call it concurrently.
 	Visit(gpu int32, fn func([]byte)) error
 	// Backend names where the GPU cache lives ("host", "cuda: <device>").
+	// New asks once; the engine never asks a closed executor.
 	Backend() string
 	// Close releases the executor once no copy is in flight.
 	Close() error
