@@ -402,3 +402,48 @@ func TestScrubAndResetRejectParameters(t *testing.T) {
 		}
 	}
 }
+
+// S8.5: a client that disconnects while its request waits (the node is
+// paused) withdraws it: the queue does not keep it for no one.
+func TestDisconnectedClientWithdrawsRequest(t *testing.T) {
+	cfg := testConfig(t.TempDir())
+	n, _ := startNode(t, cfg)
+	if err := n.Eng.Pause("wait", false, 10*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	tr := &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+		return (&net.Dialer{}).DialContext(ctx, "unix", cfg.Admin)
+	}}
+	defer tr.CloseIdleConnections()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() {
+		req, _ := http.NewRequestWithContext(ctx, "POST", "http://p2pd/v0/requests", strings.NewReader(`{"seed": 1, "tokens": 64}`))
+		resp, err := (&http.Client{Transport: tr}).Do(req)
+		if err == nil {
+			resp.Body.Close()
+		}
+		done <- err
+	}()
+	waiting := func() int { _, w := n.Eng.Counts(); return w }
+	deadline := time.Now().Add(5 * time.Second)
+	for waiting() != 1 {
+		if time.Now().After(deadline) {
+			t.Fatal("the request was not queued")
+		}
+		runtime.Gosched()
+	}
+	cancel() // closes the connection
+	if err := <-done; err == nil {
+		t.Fatal("the cancelled request was answered")
+	}
+	for deadline = time.Now().Add(5 * time.Second); waiting() != 0; {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d requests still queued after their client left", waiting())
+		}
+		runtime.Gosched()
+	}
+	if err := n.Eng.Resume(); err != nil {
+		t.Fatal(err)
+	}
+}
