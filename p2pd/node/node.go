@@ -613,7 +613,14 @@ func (n *Node) readPrompt(w http.ResponseWriter, r *http.Request) (requestBody, 
 			fail(w, 413, "body: larger than %d bytes", lim.body)
 			return b, nil, false
 		}
-		fail(w, 400, "body: %v", err)
+		switch {
+		case err == io.EOF:
+			fail(w, 400, "body: empty (want a JSON object)")
+		case errors.Is(err, io.ErrUnexpectedEOF):
+			fail(w, 400, "body: the JSON ends early (truncated?)")
+		default:
+			fail(w, 400, "body: %v", err)
+		}
 		return b, nil, false
 	}
 	tokens := b.PromptTokenIDs.ids

@@ -231,6 +231,8 @@ func TestRequestBodyRejected(t *testing.T) {
 		code int
 		want string // in the error
 	}{
+		{``, 400, "body: empty"},
+		{`{"seed": 1, "tok`, 400, "ends early"},
 		{`{"seed": 1, "tokens": 32} {"seed": 2}`, 400, "trailing data"},
 		{`{"seed": 1, "tokens": 32} x`, 400, "trailing data"},
 		{src(`"99999"`), 400, "remote_port"},
