@@ -184,9 +184,8 @@ func Open(spec Spec) (*Mover, error) {
 }
 
 // Backend names the backend in use ("host", or "cuda: <device name>"),
-// also after Close (found in review: the CUDA backend's name was read
-// from its context, freed by Close, and GET /v0/status asks for it while
-// the node shuts down).
+// also after Close: the CUDA backend's name lives in its context, which
+// Close frees, and GET /v0/status asks for it while the node shuts down.
 func (m *Mover) Backend() string { return m.name }
 
 // RegisterTime is how long registering the arena for device access took

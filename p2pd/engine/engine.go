@@ -242,9 +242,9 @@ func (e *Engine) Submit(ctx context.Context, r Request) (api.Result, error) {
 	default:
 		return api.Result{}, fmt.Errorf("%w, not %q", ErrBadDigest, r.Digest)
 	}
-	// Sized and hashed here, not in the loop (found in review: a 30-byte
-	// {"seed": 1, "tokens": 4194304} held the loop for 0.12 s of key
-	// hashing, then was refused as too large).
+	// Sized and hashed here, not in the loop: a 30-byte {"seed": 1,
+	// "tokens": 4194304} would hold the loop for ~0.1 s of key hashing
+	// before it is refused as too large.
 	if n := len(r.Tokens) / e.geo.BlockTokens; n > e.total {
 		return api.Result{}, fmt.Errorf("%w: %d blocks, the cache has %d", ErrTooLarge, n, e.total)
 	}
@@ -262,7 +262,7 @@ func (e *Engine) Submit(ctx context.Context, r Request) (api.Result, error) {
 	select {
 	case rep := <-reply:
 		return rep.res, rep.err
-	case <-e.done: // sent after the loop's last drain: nothing will answer (found in review)
+	case <-e.done: // sent after the loop's last drain: nothing will answer
 		select {
 		case rep := <-reply:
 			return rep.res, rep.err
@@ -271,8 +271,8 @@ func (e *Engine) Submit(ctx context.Context, r Request) (api.Result, error) {
 		}
 	case <-ctx.Done():
 		// Nobody will read the answer: the request leaves the queue, or is
-		// aborted (found in review: a client that left kept its request
-		// queued while paused, or running, for no one — S8.5).
+		// aborted, instead of running for no one (a client retrying against
+		// a paused node would grow the queue, S8.5).
 		select {
 		case e.inbox <- cancelCmd{j: j, err: context.Cause(ctx)}:
 		case <-e.done:

@@ -203,9 +203,9 @@ func (e *Engine) abort(j *job, err error) {
 	e.m.Do(func(s *offload.Step) { e.abortIn(s, j, err) })
 }
 
-// abortIn is abort inside a step the loop already holds: the manager lock
-// is not reentrant (found in review: a load the executor refused called
-// abort from the scheduling step, and the loop deadlocked).
+// abortIn is abort inside a step the loop already holds (a load the
+// executor refuses is failed from the scheduling step): the manager lock
+// is not reentrant.
 func (e *Engine) abortIn(s *offload.Step, j *job, err error) {
 	if j.reply == nil {
 		return
