@@ -468,3 +468,20 @@ func TestBackendAfterClose(t *testing.T) {
 		t.Errorf("Backend after Close: %q, asked the closed executor: %v", got, c.askedAfter.Load())
 	}
 }
+
+// S5.1: a pause with clear_cache either pauses with the cache cleared or
+// leaves the node running; when the reset fails (here the manager is
+// closed; a reset already running answers the same way) the answer says
+// why, as a conflict, and the engine runs. It used to report a bare error
+// (a 500) while the node stayed paused with the cache not cleared.
+func TestPauseClearFailureKeepsRunning(t *testing.T) {
+	e, m := newEngine(t, 8, 8)
+	m.Close()
+	err := e.Pause(PauseWait, true, time.Second)
+	if !errors.Is(err, ErrShuttingDown) || !errors.Is(err, offload.ErrClosed) {
+		t.Errorf("pause with clear_cache on a closed manager: %v, want ErrShuttingDown wrapping offload.ErrClosed", err)
+	}
+	if s := e.State(); s != Running {
+		t.Errorf("state %v after the failed clear, want running", s)
+	}
+}

@@ -2,6 +2,7 @@ package engine
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 	"time"
@@ -234,8 +235,13 @@ func (e *Engine) finishCommands() bool {
 				cancel()
 			}
 			e.pause = nil
+			if err != nil { // the pause asked for a cleared cache: without one the node goes on running, as after a timeout
+				e.state.Store(int32(Running))
+				c.reply <- clearFailed(err)
+				break
+			}
 			e.state.Store(int32(Paused))
-			c.reply <- err
+			c.reply <- nil
 		case !now.Before(c.deadline):
 			run, wait := len(e.active), len(e.waiting)
 			e.pause = nil
@@ -257,6 +263,19 @@ func (e *Engine) finishCommands() bool {
 	}
 	e.counts()
 	return false
+}
+
+// clearFailed is a pause's answer when its cache reset failed: another
+// reset runs (a conflict, ErrBadState) or the manager closed
+// (ErrShuttingDown).
+func clearFailed(err error) error {
+	if errors.Is(err, offload.ErrResetting) {
+		return fmt.Errorf("%w: clear_cache: %w; not paused", ErrBadState, err)
+	}
+	if errors.Is(err, offload.ErrClosed) {
+		return fmt.Errorf("%w: clear_cache: %w; not paused", ErrShuttingDown, err)
+	}
+	return fmt.Errorf("engine: clear_cache: %w; not paused", err)
 }
 
 func (e *Engine) copying() bool {
