@@ -36,11 +36,20 @@ func NewPolicy(name string, capacity int) (Policy, error) {
 	return nil, fmt.Errorf("%w: cpu_policy: unknown policy %q (want lru or arc)", ErrConfig, name)
 }
 
-// lru evicts the least recently used evictable key. Keys enter the
-// evictable list at the most recent end when they become evictable.
+// lru evicts the least recently used evictable key. A key enters the
+// order at the most recent end when it first becomes evictable (its write
+// committed) and moves there on each use (Access). Becoming unevictable (a
+// pin) keeps its place: a read pin that records no use (a cascade's, a
+// lease's, a scrub's) leaves the order as it was (found in review: the
+// unpin put the key back as the most recent).
 type lru struct {
-	order *list.List // evictable keys, least recent first
+	order *list.List // of *lruEntry, least recent first
 	elems map[Key]*list.Element
+}
+
+type lruEntry struct {
+	key       Key
+	evictable bool
 }
 
 func newLRU() *lru { return &lru{order: list.New(), elems: make(map[Key]*list.Element)} }
@@ -49,13 +58,10 @@ func (p *lru) Name() string { return "lru" }
 func (p *lru) Insert(Key)   {}
 
 func (p *lru) SetEvictable(k Key, evictable bool) {
-	e, ok := p.elems[k]
-	switch {
-	case evictable && !ok:
-		p.elems[k] = p.order.PushBack(k)
-	case !evictable && ok:
-		p.order.Remove(e)
-		delete(p.elems, k)
+	if e, ok := p.elems[k]; ok {
+		e.Value.(*lruEntry).evictable = evictable
+	} else if evictable {
+		p.elems[k] = p.order.PushBack(&lruEntry{key: k, evictable: true})
 	}
 }
 
@@ -65,12 +71,18 @@ func (p *lru) Access(k Key) {
 	}
 }
 
-func (p *lru) Remove(k Key) { p.SetEvictable(k, false) }
+func (p *lru) Remove(k Key) {
+	if e, ok := p.elems[k]; ok {
+		p.order.Remove(e)
+		delete(p.elems, k)
+	}
+}
 
 func (p *lru) Evict(n int, protected func(Key) bool) []Key {
 	var victims []*list.Element
 	for e := p.order.Front(); e != nil && len(victims) < n; e = e.Next() {
-		if protected == nil || !protected(e.Value.(Key)) {
+		le := e.Value.(*lruEntry)
+		if le.evictable && (protected == nil || !protected(le.key)) {
 			victims = append(victims, e)
 		}
 	}
@@ -79,7 +91,7 @@ func (p *lru) Evict(n int, protected func(Key) bool) []Key {
 	}
 	keys := make([]Key, len(victims))
 	for i, e := range victims {
-		keys[i] = e.Value.(Key)
+		keys[i] = e.Value.(*lruEntry).key
 		p.order.Remove(e)
 		delete(p.elems, keys[i])
 	}
