@@ -1,8 +1,10 @@
 package tiering
 
 import (
+	"context"
 	"sync/atomic"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/kvtier/kvtier/offload"
@@ -44,4 +46,37 @@ func TestNoPromotionAfterDeadlineBeforePollPass(t *testing.T) {
 		t.Errorf("CPU tier holds %d block(s) for a pair that answered miss, want 0", cpu.Used)
 	}
 	h.m.Do(func(s *offload.Step) { s.OnRequestFinished(req) })
+}
+
+// S2.7, §9: the backpressure drop counters are Prometheus counters
+// (…_dropped_stores_total, …_dropped_blocks_total): a cache reset forgets
+// what the detector learned (its estimate, its pressure) but must not
+// take back what was counted.
+func TestBackpressureCountersSurviveReset(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		tier := fake.NewTier(offload.ChunkLevel)
+		h := newHarness(t, 16, withBackpressure, tier)
+		tier.Hold(true)
+		req := h.newRequest("r")
+		for i := range 4 { // three warm-up samples and one more, all slow
+			storeTook(h, tier, req, keys(10+i, 1), time.Second)
+		}
+		h.m.Do(func(s *offload.Step) { h.store(s, req, keys(20, 2)) }) // dropped
+		before := backpressureOf(h)
+		if !before.Pressured || before.DroppedStores != 1 || before.DroppedBlocks != 2 {
+			t.Fatalf("before the reset: %+v; want pressured, 1 store of 2 blocks dropped", before)
+		}
+		h.m.Do(func(s *offload.Step) { s.OnRequestFinished(req) })
+		if err := h.m.ResetCache(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+		after := backpressureOf(h)
+		if after.Pressured {
+			t.Errorf("after the reset the tier is still pressured: %+v", after)
+		}
+		if after.DroppedStores != before.DroppedStores || after.DroppedBlocks != before.DroppedBlocks {
+			t.Errorf("a cache reset took counted drops back: %d stores / %d blocks before, %d / %d after",
+				before.DroppedStores, before.DroppedBlocks, after.DroppedStores, after.DroppedBlocks)
+		}
+	})
 }
