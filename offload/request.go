@@ -94,6 +94,9 @@ func (m *Manager) maybeFinalizeLocked(st *reqState, exclude int) {
 func (m *Manager) finalizeLocked(st *reqState, exclude int) {
 	delete(m.mu.reqs, st.req.ID)
 	st.req.st = nil
+	// Promotions queued for it in this pass are never submitted: the
+	// tiers hear of no load after its end (found in review).
+	m.dropPendingLocked(st.req)
 	m.dropDeadlinesLocked(st)
 	for i, t := range m.mu.tiers {
 		if h, ok := t.(RequestHooks); ok && i != exclude {
@@ -113,13 +116,7 @@ func (s *Step) Abort(req *Request) {
 	if n := m.mu.cpu.ReleaseOwner(RequestOwner(req.ID)); n > 0 {
 		m.log.Info("abort released pins", "request", req.ID, "pins", n)
 	}
-	m.mu.pending = slices.DeleteFunc(m.mu.pending, func(j *Job) bool {
-		if j.Req != req {
-			return false
-		}
-		m.mu.cpu.Commit(j.Keys, JobOwner(j.ID), false, nil)
-		return true
-	})
+	m.dropPendingLocked(req)
 	st := m.mu.reqs[req.ID]
 	if st == nil || st.req != req {
 		return
@@ -127,4 +124,16 @@ func (s *Step) Abort(req *Request) {
 	st.parked = nil
 	m.mu.parked = slices.DeleteFunc(m.mu.parked, func(p *reqState) bool { return p == st })
 	m.finalizeLocked(st, -1)
+}
+
+// dropPendingLocked forgets the promotions queued for req in this pass,
+// freeing their slots.
+func (m *Manager) dropPendingLocked(req *Request) {
+	m.mu.pending = slices.DeleteFunc(m.mu.pending, func(j *Job) bool {
+		if j.Req != req {
+			return false
+		}
+		m.mu.cpu.Commit(j.Keys, JobOwner(j.ID), false, nil)
+		return true
+	})
 }

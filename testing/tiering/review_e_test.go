@@ -80,3 +80,36 @@ func TestBackpressureCountersSurviveReset(t *testing.T) {
 		}
 	})
 }
+
+// Tier contract (RequestHooks: OnRequestFinished comes after the last
+// submit for the request), S2.9: a request that finishes in the step that
+// queued a promotion for it gets no load submitted after its tiers were
+// told it finished; its reserved slot is freed, not left to a load nobody
+// will use.
+func TestNoPromotionSubmittedAfterFinish(t *testing.T) {
+	tier := fake.NewTier(offload.ChunkLevel)
+	h := newHarness(t, 4, nil, tier)
+	ks := keys(1, 1)
+	tier.Put(ks[0], h.block(ks[0]))
+	req := h.newRequest("r")
+	h.step(func(s *offload.Step) {
+		if r := s.Lookup(ks[0], req); r != offload.HitPending {
+			t.Fatalf("lookup = %v, want hit_pending (a promotion queued)", r)
+		}
+		if err := s.OnRequestFinished(req); err != nil {
+			t.Fatal(err)
+		}
+	})
+	calls := tier.Calls()
+	if len(calls.Finished) != 1 {
+		t.Fatalf("tier saw %d finishes, want 1", len(calls.Finished))
+	}
+	for _, j := range calls.Loads {
+		if j.Req == req {
+			t.Errorf("load job %d submitted for request %s after the tier was told it finished", j.ID, req.ID)
+		}
+	}
+	if cpu := h.m.Metrics().CPU; cpu.Used != 0 || cpu.Writing != 0 {
+		t.Errorf("CPU tier: %d used, %d writing after the finished request's promotion; want 0, 0", cpu.Used, cpu.Writing)
+	}
+}
