@@ -117,6 +117,7 @@ func (s *Step) Abort(req *Request) {
 		m.log.Info("abort released pins", "request", req.ID, "pins", n)
 	}
 	m.dropPendingLocked(req)
+	m.dropProbesLocked(req) // S2.9: no tier starts finding out for it (found in review)
 	st := m.mu.reqs[req.ID]
 	if st == nil || st.req != req {
 		return
@@ -136,4 +137,11 @@ func (m *Manager) dropPendingLocked(req *Request) {
 		m.mu.cpu.Commit(j.Keys, JobOwner(j.ID), false, nil)
 		return true
 	})
+}
+
+// dropProbesLocked forgets the Retry answers queued for req's probes.
+func (m *Manager) dropProbesLocked(req *Request) {
+	if len(m.mu.probes) > 0 {
+		m.mu.probes = slices.DeleteFunc(m.mu.probes, func(p probe) bool { return p.req == req })
+	}
 }
