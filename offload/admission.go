@@ -179,7 +179,7 @@ func (d *detector) observe(sample float64, now time.Time) {
 }
 
 // Reset forgets what the detectors learned; the drop counts are counters
-// (…_dropped_stores_total) and stay (found in review).
+// (…_dropped_stores_total) and stay.
 func (b *Backpressure) Reset() {
 	for _, d := range b.detectors {
 		*d = detector{high: d.high, low: d.low, dropped: d.dropped}

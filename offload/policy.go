@@ -40,8 +40,8 @@ func NewPolicy(name string, capacity int) (Policy, error) {
 // order at the most recent end when it first becomes evictable (its write
 // committed) and moves there on each use (Access). Becoming unevictable (a
 // pin) keeps its place: a read pin that records no use (a cascade's, a
-// lease's, a scrub's) leaves the order as it was (found in review: the
-// unpin put the key back as the most recent).
+// lease's, a scrub's) leaves the order as it was: a scrub pins every
+// block, and would otherwise shuffle the order by its unpins.
 type lru struct {
 	order *list.List // of *lruEntry, least recent first
 	elems map[Key]*list.Element

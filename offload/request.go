@@ -95,7 +95,7 @@ func (m *Manager) finalizeLocked(st *reqState, exclude int) {
 	delete(m.mu.reqs, st.req.ID)
 	st.req.st = nil
 	// Promotions queued for it in this pass are never submitted: the
-	// tiers hear of no load after its end (found in review).
+	// tiers hear of no load after its end.
 	m.dropPendingLocked(st.req)
 	m.dropDeadlinesLocked(st)
 	for i, t := range m.mu.tiers {
@@ -117,7 +117,7 @@ func (s *Step) Abort(req *Request) {
 		m.log.Info("abort released pins", "request", req.ID, "pins", n)
 	}
 	m.dropPendingLocked(req)
-	m.dropProbesLocked(req) // S2.9: no tier starts finding out for it (found in review)
+	m.dropProbesLocked(req) // S2.9: no tier starts finding out for it
 	st := m.mu.reqs[req.ID]
 	if st == nil || st.req != req {
 		return
