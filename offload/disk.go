@@ -416,13 +416,25 @@ func (d *Disk) write(k Key, block []byte, crc uint32) error {
 		return err
 	}
 	if d.fsync {
-		if dir, err := os.Open(filepath.Dir(final)); err == nil {
-			err = dir.Sync()
-			dir.Close()
+		if err := syncDir(filepath.Dir(final)); err != nil {
+			os.Remove(final) // not indexed: it must not stay, uncounted, until a restart finds it
 			return err
 		}
 	}
 	return nil
+}
+
+// syncDir makes a rename in dir durable (disk_fsync). A variable so a
+// test can make it fail.
+var syncDir = syncDirDefault
+
+func syncDirDefault(dir string) error {
+	f, err := os.Open(dir)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	return f.Sync()
 }
 
 // read loads one block into slot and verifies it.

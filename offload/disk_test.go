@@ -3,6 +3,7 @@ package offload
 import (
 	"bytes"
 	"context"
+	"errors"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -312,5 +313,40 @@ func TestDiskMetricsLint(t *testing.T) {
 	cmd.Stdin = &buf
 	if out, err := cmd.CombinedOutput(); err != nil || len(bytes.TrimSpace(out)) > 0 {
 		t.Errorf("promtool: %v\n%s", err, out)
+	}
+}
+
+// S8.4: with disk_fsync, a store whose directory sync fails is dropped
+// and leaves no file: the file was renamed into place but not indexed, so
+// it stayed on disk, uncounted against disk_bytes, until a restart.
+func TestDiskDirSyncFailureLeavesNoFile(t *testing.T) {
+	syncDir = func(string) error { return errors.New("injected: directory fsync failed") }
+	t.Cleanup(func() { syncDir = syncDirDefault })
+	dir := t.TempDir()
+	cfg := DefaultConfig()
+	cfg.Geometry = Geometries["tiny"]
+	cfg.CPUHugePages = false
+	cfg.CPUBytes = int64(32 * cfg.slotStride())
+	cfg.DiskDir, cfg.DiskFsync, cfg.DiskWorkers = dir, true, 2
+	cfg.DiskBytes = 64 * int64(diskHeaderLen+cfg.Geometry.BlockBytes())
+	m, err := New(cfg, DiskTier(cfg.DiskConfig))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { m.Close() })
+	keys := testKeys(4)
+	storeBlocks(t, m, keys)
+	if v := diskStat(m, "kv_offload_disk_dropped_stores_total"); v != 4 {
+		t.Errorf("dropped stores %v, want 4", v)
+	}
+	var files []string
+	filepath.WalkDir(dir, func(path string, e os.DirEntry, err error) error {
+		if err == nil && e.Type().IsRegular() {
+			files = append(files, path)
+		}
+		return nil
+	})
+	if len(files) != 0 {
+		t.Errorf("files left after every store failed: %v", files)
 	}
 }
