@@ -64,9 +64,10 @@ func (m *Manager) lookupLocked(k Key, req *Request, exclude int) Result {
 	if m.mu.resetting {
 		return Miss // S5.1: nothing new starts while the cache resets
 	}
-	if len(st.deadlines) > 0 {
+	if at := m.mu.deadlineAt; !at.IsZero() && !m.nowLocked().Before(at) && len(st.deadlines) > 0 {
 		// A deadline that passed before the poll goroutine's pass expired
 		// it: Miss before any tier is asked, so no promotion starts (S4.1).
+		// (deadlineAt is never after a live deadline: before it, none passed.)
 		if d, ok := st.deadlines[k]; ok && !m.nowLocked().Before(d.at) {
 			m.expireLocked(st, k, d)
 			return Miss
