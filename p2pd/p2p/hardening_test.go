@@ -708,13 +708,15 @@ func TestReaderBoundsUnappliedFrames(t *testing.T) {
 				a, b := net.Pipe()
 				tr := &Tier{env: offload.TierEnv{Now: time.Now, Wake: func() {}}}
 				cc := newCtrlConn(a)
-				s := &session{conn: cc}
+				s := &session{}
 				cc.s = s
-				retiring := newCtrlConn(nil)
-				if draining { // a duplicate that was active and has not sent its marker
+				if draining { // a duplicate that was active before cc and has not sent its marker
+					retiring := newCtrlConn(nil)
+					s.activate(retiring)
 					retiring.wasActive = true
 					s.old = []*ctrlConn{retiring}
 				}
+				s.activate(cc)
 				done := make(chan struct{})
 				go func() { defer close(done); tr.reader(cc) }()
 				frame := wire.Append(nil, wire.Pong{Seq: 1}) // handled with no roles in the session
@@ -844,4 +846,107 @@ func TestDataWriteStallCutOff(t *testing.T) {
 			t.Errorf("transfer_done %+v after %v, want a failure after the 1m idle timeout", done, time.Since(start))
 		}
 	})
+}
+
+// S6.1, S8.5: frames wait only for connections that were active before
+// theirs. B, active while A drains, has frames deferred up to its read
+// bound; then C wins over B, so B retires while its own frames wait. A's
+// marker must let B's frames be served (and B's reader read on to B's
+// marker) while C's frames wait for B's; B's reader once waited on its own
+// deferred frames, which waited for B's marker behind them.
+func TestDeferredFramesWaitOnlyForEarlierConnections(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		defer func(v int) { maxUnapplied = v }(maxUnapplied)
+		maxUnapplied = 1 << 20
+		tr := &Tier{env: offload.TierEnv{Now: time.Now, Wake: func() {}}}
+		aIn, aOut := net.Pipe()
+		defer aIn.Close()
+		defer aOut.Close()
+		bIn, bOut := net.Pipe()
+		A, B, C := newCtrlConn(aIn), newCtrlConn(bIn), newCtrlConn(nil)
+		s := &session{}
+		A.s, B.s, C.s = s, s, s
+		s.activate(A)
+		A.wasActive, A.retiring = true, true // B won over A
+		s.old = []*ctrlConn{A}
+		s.activate(B)
+		done := make(chan struct{})
+		go func() { defer close(done); tr.reader(B) }()
+		wrote := make(chan struct{})
+		go func() {
+			defer close(wrote)
+			frame := wire.Append(nil, wire.Pong{Seq: 1})
+			for range 20000 { // beyond B's bound
+				if _, err := bOut.Write(frame); err != nil {
+					return
+				}
+			}
+			bOut.Write(wire.Append(nil, wire.Disconnect{Code: wire.CodeDuplicate, Reason: "duplicate connection"}))
+		}()
+		defer func() {
+			tr.endConn(B)
+			bOut.Close()
+			bIn.Close()
+			<-done
+			<-wrote
+		}()
+		apply := func() {
+			tr.ev.Lock()
+			q := tr.ev.q
+			tr.ev.q = nil
+			tr.ev.Unlock()
+			for _, e := range q {
+				e.apply(tr)
+			}
+		}
+		synctest.Wait()
+		apply()
+		if len(s.deferred) == 0 || B.peerDone {
+			t.Fatalf("%d frames deferred behind A, B's marker read %v: want B's frames waiting", len(s.deferred), B.peerDone)
+		}
+		// C wins over B: B retires while it was the active one.
+		B.retiring, B.wasActive = true, true
+		s.old = append(s.old, B)
+		s.activate(C)
+		frameReceived{cc: C, m: wire.Pong{Seq: 2}}.apply(tr)
+		if C.nDeferred != 1 {
+			t.Fatalf("C's frame: %d deferred, want it waiting for B", C.nDeferred)
+		}
+		tr.handle(A, wire.Disconnect{Code: wire.CodeDuplicate, Reason: "duplicate connection"}) // A's marker
+		for range 10 {
+			synctest.Wait()
+			apply()
+		}
+		if !B.peerDone {
+			t.Errorf("B's marker never read: %d frames deferred", len(s.deferred))
+		}
+		if len(s.deferred) != 0 || C.nDeferred != 0 {
+			t.Errorf("%d frames still deferred (C's %d) after every earlier marker", len(s.deferred), C.nDeferred)
+		}
+	})
+}
+
+// S6.1: a connection retired before it delivered anything still waits for
+// the one active before it: A drains, B won over A and C over B; a frame
+// B's peer sent then comes after A's frames, not before A's marker.
+func TestRetiredConnectionWaitsForEarlier(t *testing.T) {
+	tr := &Tier{env: offload.TierEnv{Now: time.Now, Wake: func() {}}}
+	A, B, C := newCtrlConn(nil), newCtrlConn(nil), newCtrlConn(nil)
+	s := &session{}
+	A.s, B.s, C.s = s, s, s
+	s.activate(A)
+	s.activate(B)
+	s.activate(C)
+	A.wasActive, A.retiring, B.wasActive, B.retiring = true, true, true, true
+	s.old = []*ctrlConn{A, B}
+	frameReceived{cc: B, m: wire.Pong{Seq: 1}}.apply(tr)
+	if B.nDeferred != 1 {
+		t.Fatalf("B's frame: %d deferred, want it waiting for A's marker", B.nDeferred)
+	}
+	A.peerDone = true // A's marker (its Disconnect would close A, which has no socket here)
+	s.old = s.old[1:]
+	tr.flushDeferred(s)
+	if B.nDeferred != 0 || len(s.deferred) != 0 {
+		t.Errorf("after A's marker %d frames still deferred", len(s.deferred))
+	}
 }

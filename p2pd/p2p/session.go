@@ -38,11 +38,15 @@ type session struct {
 
 	ready, dead bool
 	held        []wire.Msg // role messages queued until ready
-	// deferred holds frames of the active connection while a retiring
-	// duplicate has not delivered its last frame (the peer's marker):
-	// the peer sent those first, so they are served first. Their bytes
-	// stay counted against the connection's maxUnapplied until then.
-	deferred []frameReceived
+	// deferred holds frames of a connection while one that was active
+	// before it has not delivered its last frame (the peer's marker): the
+	// peer sent those first, so they are served first (S6.1). Their bytes
+	// stay counted against their reader's maxUnapplied until then: each
+	// connection waits only for earlier ones, so the earliest always reads.
+	deferred    []frameReceived
+	activations uint64 // connections that became active, numbering them (ctrlConn.activeSeq)
+	flushing    bool   // flushDeferred runs (a frame it serves may end a connection and flush again)
+	flushAgain  bool
 
 	live protocol.Liveness // keep-alive (S6.9)
 	errs int               // consecutive handler errors (S8.2)
@@ -62,6 +66,8 @@ type ctrlConn struct {
 	nonce     [32]byte // the dialler's handshake nonce
 	retiring  bool     // a losing duplicate: nothing new is sent on it
 	wasActive bool     // it was the session's active connection before it retired
+	activeSeq uint64   // when it became active, in its session's order; 0: never
+	nDeferred int      // its frames in the session's deferred
 	retiredAt time.Time
 	peerDone  bool            // the peer's duplicate marker arrived: nothing more comes on it
 	raw       syscall.RawConn // the socket, for queue's direct write; nil over TLS or a pipe
@@ -182,7 +188,7 @@ func (t *Tier) established(pending *session, c net.Conn, sh shaken) {
 		if wins(cc, s.conn) {
 			s.conn.wasActive = true // the peer may have sent on it what precedes cc's frames
 			t.retire(s.conn)
-			s.conn = cc
+			s.activate(cc)
 		} else {
 			t.retire(cc)
 		}
@@ -210,7 +216,7 @@ func (t *Tier) established(pending *session, c net.Conn, sh shaken) {
 	s.peer, s.peerInc, s.peerAddr, s.peerInfo = pc.NodeID, pc.Incarnation, pc.Addr, pc.DataInfo
 	s.prod.Peer, s.cons.Peer = s.peer, s.peer
 	t.start(s, cc)
-	s.conn = cc
+	s.activate(cc)
 	if err := t.dp.AddPeer(s.peer, s.peerAddr, s.peerInfo); err != nil {
 		t.protocolErrorCode(s, wire.CodeDataPlane, fmt.Sprintf("data plane: %v", err))
 		return
@@ -318,29 +324,58 @@ func (t *Tier) endConn(cc *ctrlConn) {
 	}
 }
 
-// draining says whether a retiring duplicate may still deliver frames
-// the peer sent before those on the active connection: one that was the
-// active connection and whose marker has not arrived.
-func (s *session) draining() bool {
+// activate makes cc the session's active connection.
+func (s *session) activate(cc *ctrlConn) {
+	s.activations++
+	cc.activeSeq = s.activations
+	s.conn = cc
+}
+
+// waits says whether cc's frames must wait: a retiring duplicate that was
+// active before cc may still deliver frames the peer sent before them.
+func (s *session) waits(cc *ctrlConn) bool {
+	if cc.activeSeq == 0 {
+		return false // never active: a losing duplicate, served as it reads
+	}
 	for _, o := range s.old {
-		if o.wasActive && !o.peerDone {
+		if o.wasActive && !o.peerDone && o.activeSeq < cc.activeSeq {
 			return true
 		}
 	}
 	return false
 }
 
-// flushDeferred serves the active connection's held frames once nothing
-// sent before them can still arrive.
+// flushDeferred serves, in order, the held frames of every connection
+// that no longer waits (a connection's frames stay in their order).
 func (t *Tier) flushDeferred(s *session) {
-	if s.dead || s.draining() || len(s.deferred) == 0 {
+	if s.flushing {
+		s.flushAgain = true
 		return
 	}
-	fs := s.deferred
-	s.deferred = nil
-	for _, f := range fs {
-		f.cc.release(f.n)
-		t.handle(s.conn, f.m)
+	s.flushing = true
+	defer func() { s.flushing = false }()
+	for again := true; again && len(s.deferred) > 0; {
+		s.flushAgain = false
+		fs := s.deferred
+		s.deferred = nil
+		kept := map[*ctrlConn]bool{}
+		for i, f := range fs {
+			if s.dead {
+				for _, f := range fs[i:] {
+					f.cc.release(f.n)
+				}
+				return
+			}
+			if kept[f.cc] || s.waits(f.cc) {
+				kept[f.cc] = true
+				s.deferred = append(s.deferred, f)
+				continue
+			}
+			f.cc.nDeferred--
+			f.cc.release(f.n)
+			t.handle(f.cc, f.m)
+		}
+		again = s.flushAgain
 	}
 }
 
@@ -486,12 +521,13 @@ func (t *Tier) send(s *session, m wire.Msg) {
 	t.sendNow(s, m)
 }
 
-// deferring keeps f while a retiring duplicate drains (S6.2: the frames
-// the peer sent on it first are served first), its bytes still counted
-// against its reader's maxUnapplied; false when f is to be handled now.
+// deferring keeps f while a duplicate active before its connection
+// drains, or while earlier frames of its connection are kept (S6.1: what
+// the peer sent first is served first), its bytes still counted against
+// its reader's maxUnapplied; false when f is to be handled now.
 func (t *Tier) deferring(f frameReceived) bool {
 	s := f.cc.s
-	if s.dead || f.cc != s.conn || !s.draining() {
+	if s.dead || (f.cc.nDeferred == 0 && !s.waits(f.cc)) {
 		return false
 	}
 	s.live.Received(t.env.Now())
@@ -500,6 +536,7 @@ func (t *Tier) deferring(f frameReceived) bool {
 		return true
 	}
 	s.deferred = append(s.deferred, f)
+	f.cc.nDeferred++
 	return true
 }
 
