@@ -78,23 +78,30 @@ func TestScrubKeepsRecency(t *testing.T) {
 	})
 }
 
-// S2.9 (Prober): a request aborted in the step whose lookups a Prober
-// tier answered Retry is not handed to that tier's Probe at the step's
-// end, after the tiers were told it ended: Abort releases everything the
-// request holds, its queued probes too.
-func TestNoProbeAfterAbort(t *testing.T) {
-	pt := &probeTier{}
-	m := testManager(t, 4, TierSpec{Name: "peer", Locality: Remote, New: func(TierEnv) (Tier, error) { return pt, nil }})
-	ks := testKeys(2)
-	a, b := &Request{ID: "a"}, &Request{ID: "b"}
-	m.Do(func(s *Step) {
-		s.OnNewRequest(a)
-		s.OnNewRequest(b)
-		s.Lookup(ks[0], a)
-		s.Lookup(ks[1], b)
-		s.Abort(a)
-	})
-	if !slices.Equal(pt.reqs, []string{"b"}) {
-		t.Errorf("probed for %v, want only [b] (a was aborted before the step's end)", pt.reqs)
+// S2.9: a request that ends — aborted, or finished — in the step that
+// queued its Retry answers has them dropped: no Prober tier is handed a
+// probe for a request it was already told has finished.
+func TestNoProbeAfterEnd(t *testing.T) {
+	for _, end := range []string{"abort", "finish"} {
+		t.Run(end, func(t *testing.T) {
+			pt := &probeTier{}
+			m := testManager(t, 4, TierSpec{Name: "peer", Locality: Remote, New: func(TierEnv) (Tier, error) { return pt, nil }})
+			ks := testKeys(2)
+			a, b := &Request{ID: "a"}, &Request{ID: "b"}
+			m.Do(func(s *Step) {
+				s.OnNewRequest(a)
+				s.OnNewRequest(b)
+				s.Lookup(ks[0], a)
+				s.Lookup(ks[1], b)
+				if end == "abort" {
+					s.Abort(a)
+				} else {
+					s.OnRequestFinished(a)
+				}
+			})
+			if !slices.Equal(pt.reqs, []string{"b"}) {
+				t.Errorf("probed for %v, want only [b] (a ended before the step's end)", pt.reqs)
+			}
+		})
 	}
 }

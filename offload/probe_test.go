@@ -111,22 +111,27 @@ func TestProbeCallsPerRequest(t *testing.T) {
 }
 
 // serverTier looks keys up through its Parent once, as a peer's lookup
-// would.
+// would, and finishes that request at its next Serve (a request finished
+// in the pass that looked up has its probes dropped, S2.9).
 type serverTier struct {
 	nullTier
 	keys []Key
+	open *Request
 }
 
 func (s *serverTier) Serve(p Parent) error {
+	if s.open != nil {
+		p.OnRequestFinished(s.open)
+		s.open = nil
+	}
 	if s.keys == nil {
 		return nil
 	}
-	r := &Request{ID: "outside"}
-	p.OnNewRequest(r)
+	s.open = &Request{ID: "outside"}
+	p.OnNewRequest(s.open)
 	for _, k := range s.keys {
-		p.Lookup(k, r)
+		p.Lookup(k, s.open)
 	}
-	p.OnRequestFinished(r)
 	s.keys = nil
 	return nil
 }

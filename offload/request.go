@@ -94,9 +94,10 @@ func (m *Manager) maybeFinalizeLocked(st *reqState, exclude int) {
 func (m *Manager) finalizeLocked(st *reqState, exclude int) {
 	delete(m.mu.reqs, st.req.ID)
 	st.req.st = nil
-	// Promotions queued for it in this pass are never submitted: the
-	// tiers hear of no load after its end.
+	// Promotions and probes queued for it in this pass are never handed
+	// over: the tiers hear of nothing for it after its end.
 	m.dropPendingLocked(st.req)
+	m.dropProbesLocked(st.req)
 	m.dropDeadlinesLocked(st)
 	for i, t := range m.mu.tiers {
 		if h, ok := t.(RequestHooks); ok && i != exclude {

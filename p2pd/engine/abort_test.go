@@ -470,10 +470,10 @@ func TestBackendAfterClose(t *testing.T) {
 }
 
 // S5.1: a pause with clear_cache either pauses with the cache cleared or
-// leaves the node running; when the reset fails (here the manager is
-// closed; a reset already running answers the same way) the answer says
-// why, as a conflict, and the engine runs. It used to report a bare error
-// (a 500) while the node stayed paused with the cache not cleared.
+// leaves the node running; when the reset fails the answer says why, as
+// a conflict (here the manager is closed: ErrShuttingDown; a reset already
+// running gives ErrBadState), and the engine runs. It used to report a
+// bare error (a 500) while the node stayed paused, the cache not cleared.
 func TestPauseClearFailureKeepsRunning(t *testing.T) {
 	e, m := newEngine(t, 8, 8)
 	m.Close()

@@ -249,7 +249,7 @@ func (e *Engine) Submit(ctx context.Context, r Request) (api.Result, error) {
 		return api.Result{}, fmt.Errorf("%w: %d blocks, the cache has %d", ErrTooLarge, n, e.total)
 	}
 	reply := make(chan jobReply, 1)
-	j := &job{r: r, reply: reply, start: time.Now()}
+	j := &job{r: r, reply: reply}
 	j.chain = offload.NewChain(e.keys, e.geo.BlockTokens, r.Tokens)
 	j.keys = j.chain.Keys
 	select {

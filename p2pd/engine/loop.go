@@ -127,6 +127,7 @@ func (e *Engine) handle(msg any) {
 			c.reply <- jobReply{err: ErrShuttingDown}
 			return
 		}
+		c.start = time.Now()             // elapsed_ms leaves out the wait for the loop (a paused node)
 		e.waiting = append(e.waiting, c) // sized and keyed by Submit
 	case *pauseCmd:
 		if e.State() != Running {
