@@ -11,6 +11,7 @@ import (
 	"runtime"
 	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"testing/synctest"
@@ -471,4 +472,113 @@ func tcpConnect(t *testing.T, n *node, addr, id string) (net.Conn, *zmtp.Conn) {
 	z.WriteMessage(vllmwire.Encode(nil, vllmwire.Msg{Type: vllmwire.TypeConnect, PeerID: id, AgentMetadata: []byte{}, NumBlocks: 1,
 		BlockLen: uint64(n.m.BlockBytes()), HashSeed: offload.VLLMDefaultSeed}))
 	return c, z
+}
+
+// S8.5: a vLLM peer's DEALER pipe is read no further ahead of the manager
+// than a kvtier control connection: beyond maxUnapplied of messages read
+// and not applied, its reader waits, and goes on once they are.
+func TestVLLMPipeReaderBounded(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		defer func(v int) { maxUnapplied = v }(maxUnapplied)
+		maxUnapplied = 1 << 20
+		ours, pipe := net.Pipe()
+		theirs := newAsyncWriter(pipe) // both sides greet before they read
+		defer theirs.Close()
+		var zr *zmtp.Conn
+		shook := make(chan error, 1)
+		go func() {
+			var err error
+			zr, err = zmtp.Handshake(ours, zmtp.Router, nil, 8<<20)
+			shook <- err
+		}()
+		zd, err := zmtp.Handshake(theirs, zmtp.Dealer, []byte("127.0.0.1:1"), 8<<20)
+		if err != nil || <-shook != nil {
+			t.Fatalf("handshakes: %v", err)
+		}
+		tr := &Tier{env: offload.TierEnv{Now: time.Now, Wake: func() {}}}
+		cc := newZConn(ours, zr)
+		done := make(chan struct{})
+		go func() { defer close(done); tr.vpipeReader(cc) }()
+		msg := vllmwire.Encode(nil, vllmwire.Msg{Type: vllmwire.TypeAbortAck, KVRequestID: "kv", RoundSeq: 1})
+		const msgs = 20000
+		wrote := make(chan struct{})
+		go func() {
+			defer close(wrote)
+			for range msgs {
+				if zd.WriteMessage(msg) != nil {
+					return
+				}
+			}
+		}()
+		defer func() {
+			tr.endConn(cc)
+			theirs.Close()
+			<-done
+			<-wrote
+		}()
+		take := func() []event {
+			tr.ev.Lock()
+			defer tr.ev.Unlock()
+			q := tr.ev.q
+			tr.ev.q = nil
+			return q
+		}
+		synctest.Wait()
+		q := take()
+		if limit := maxUnapplied/frameCost + 1; len(q) > limit {
+			t.Fatalf("%d messages read before a pass, want at most %d", len(q), limit)
+		}
+		for _, e := range q { // applied: what vframe.apply gives back
+			if f, ok := e.(vframe); ok {
+				f.cc.release(f.n)
+			}
+		}
+		synctest.Wait()
+		if len(take()) == 0 {
+			t.Error("the pipe's reader did not go on once its messages were applied")
+		}
+	})
+}
+
+// asyncWriter is a net.Conn whose writes go out from a goroutine of its
+// own, so a net.Pipe end can write before its peer reads.
+type asyncWriter struct {
+	net.Conn
+	out    chan []byte
+	closed chan struct{}
+	once   sync.Once
+	done   chan struct{}
+}
+
+func newAsyncWriter(c net.Conn) *asyncWriter {
+	w := &asyncWriter{Conn: c, out: make(chan []byte, 64), closed: make(chan struct{}), done: make(chan struct{})}
+	go func() {
+		defer close(w.done)
+		for {
+			select {
+			case b := <-w.out:
+				c.Write(b) // an error: Close comes
+			case <-w.closed:
+				return
+			}
+		}
+	}()
+	return w
+}
+
+func (w *asyncWriter) Write(b []byte) (int, error) {
+	select {
+	case w.out <- slices.Clone(b):
+		return len(b), nil
+	case <-w.closed:
+		return 0, net.ErrClosed
+	}
+}
+
+// Close closes the connection and ends the writing goroutine.
+func (w *asyncWriter) Close() error {
+	err := w.Conn.Close()
+	w.once.Do(func() { close(w.closed) })
+	<-w.done
+	return err
 }
