@@ -27,14 +27,7 @@ func (refusingLoads) Load([]Pair) (Copy, error) { return nil, errors.New("load r
 // lock, so a regression would hang the package instead of failing here
 // within 5 s.
 func TestRefusedLoadFailsRequest(t *testing.T) {
-	cfg := offload.DefaultConfig()
-	cfg.Geometry = offload.Geometries["tiny"]
-	cfg.CPUHugePages = false
-	cfg.CPUBytes = int64(16 * cfg.Geometry.BlockBytes())
-	m, err := offload.New(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
+	m := tinyManager(t, 16)
 	ref, err := NewReference(m, 8, "host", nil)
 	if err != nil {
 		t.Fatal(err)
@@ -397,14 +390,7 @@ func TestCancelledRequestLeaves(t *testing.T) {
 // behind it, before refusing it as too large.) The engine here has no
 // loop running: the loop's work would wait for ever.
 func TestPromptKeyedOffTheLoop(t *testing.T) {
-	cfg := offload.DefaultConfig()
-	cfg.Geometry = offload.Geometries["tiny"]
-	cfg.CPUHugePages = false
-	cfg.CPUBytes = int64(16 * cfg.Geometry.BlockBytes())
-	m, err := offload.New(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
+	m := tinyManager(t, 16)
 	defer m.Close()
 	e, err := New(m, Config{GPUBlocks: 8, Backend: "host"})
 	if err != nil {

@@ -25,14 +25,7 @@ func newEngine(t *testing.T, slots, gpu int) (*Engine, *offload.Manager) {
 // reference).
 func newEngineWith(t *testing.T, slots, gpu int, x func(*offload.Manager) Executor) (*Engine, *offload.Manager) {
 	t.Helper()
-	cfg := offload.DefaultConfig()
-	cfg.Geometry = offload.Geometries["tiny"]
-	cfg.CPUHugePages = false
-	cfg.CPUBytes = int64(slots * cfg.Geometry.BlockBytes())
-	m, err := offload.New(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
+	m := tinyManager(t, slots)
 	c := Config{GPUBlocks: gpu, Backend: "host"}
 	if x != nil {
 		c.Executor = x(m)
@@ -50,6 +43,21 @@ func newEngineWith(t *testing.T, slots, gpu int, x func(*offload.Manager) Execut
 		m.Close()
 	})
 	return e, m
+}
+
+// tinyManager is a manager of slots tiny-geometry CPU slots and no other
+// tier; the caller closes it.
+func tinyManager(t *testing.T, slots int) *offload.Manager {
+	t.Helper()
+	cfg := offload.DefaultConfig()
+	cfg.Geometry = offload.Geometries["tiny"]
+	cfg.CPUHugePages = false
+	cfg.CPUBytes = int64(slots * cfg.Geometry.BlockBytes())
+	m, err := offload.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return m
 }
 
 func tokens(seed, n int) []uint32 {
@@ -314,14 +322,7 @@ func TestExecutorReplaceable(t *testing.T) {
 // refused; Shutdown with a context that never ends returns once the loop
 // stopped.
 func TestRunContext(t *testing.T) {
-	cfg := offload.DefaultConfig()
-	cfg.Geometry = offload.Geometries["tiny"]
-	cfg.CPUHugePages = false
-	cfg.CPUBytes = int64(8 * cfg.Geometry.BlockBytes())
-	m, err := offload.New(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
+	m := tinyManager(t, 8)
 	defer m.Close()
 	e, err := New(m, Config{GPUBlocks: 8, Backend: "host"})
 	if err != nil {

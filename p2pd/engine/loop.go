@@ -222,6 +222,7 @@ func (e *Engine) abortIn(s *offload.Step, j *job, err error) {
 func (e *Engine) finishCommands() bool {
 	now := time.Now()
 	e.reap()
+	e.counts() // current before any answer below: a caller reads them when it returns
 	if c := e.pause; c != nil {
 		quiet := !e.copying() && !e.m.HasPendingWork()
 		if c.mode != PauseKeep {

@@ -739,10 +739,7 @@ func TestReaderBoundsUnappliedFrames(t *testing.T) {
 					<-wrote
 				}()
 				apply := func() int {
-					tr.ev.Lock()
-					q := tr.ev.q
-					tr.ev.q = nil
-					tr.ev.Unlock()
+					q := tr.takeEvents()
 					for _, e := range q {
 						e.apply(tr) // handled or deferred
 					}
@@ -891,11 +888,7 @@ func TestDeferredFramesWaitOnlyForEarlierConnections(t *testing.T) {
 			<-wrote
 		}()
 		apply := func() {
-			tr.ev.Lock()
-			q := tr.ev.q
-			tr.ev.q = nil
-			tr.ev.Unlock()
-			for _, e := range q {
+			for _, e := range tr.takeEvents() {
 				e.apply(tr)
 			}
 		}

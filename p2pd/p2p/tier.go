@@ -408,6 +408,15 @@ func (t *Tier) shakeDeadline(c net.Conn, d time.Time) {
 
 // post queues e to be applied under the manager lock and wakes the poll
 // goroutine. Socket goroutines call it; it never blocks for long.
+// takeEvents returns what the connection goroutines posted, oldest first.
+func (t *Tier) takeEvents() []event {
+	t.ev.Lock()
+	defer t.ev.Unlock()
+	q := t.ev.q
+	t.ev.q = nil
+	return q
+}
+
 func (t *Tier) post(e event) {
 	t.ev.Lock()
 	t.ev.q = append(t.ev.q, e)
@@ -691,14 +700,7 @@ func (t *Tier) Serve(p offload.Parent) error {
 		p.OnRequestFinished(r)
 	}
 	t.owed = nil
-	for {
-		t.ev.Lock()
-		q := t.ev.q
-		t.ev.q = nil
-		t.ev.Unlock()
-		if len(q) == 0 {
-			break
-		}
+	for q := t.takeEvents(); len(q) > 0; q = t.takeEvents() {
 		for _, e := range q {
 			e.apply(t)
 		}
@@ -779,11 +781,7 @@ func (t *Tier) Close() error {
 	// Connection goroutines may have posted events after the last pass:
 	// run them, so a connection that finished its handshake meanwhile is
 	// closed (established sees t.closed) and nothing stays open.
-	t.ev.Lock()
-	q := t.ev.q
-	t.ev.q = nil
-	t.ev.Unlock()
-	for _, e := range q {
+	for _, e := range t.takeEvents() {
 		e.apply(t)
 	}
 	return err

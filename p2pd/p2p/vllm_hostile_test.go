@@ -516,15 +516,8 @@ func TestVLLMPipeReaderBounded(t *testing.T) {
 			<-done
 			<-wrote
 		}()
-		take := func() []event {
-			tr.ev.Lock()
-			defer tr.ev.Unlock()
-			q := tr.ev.q
-			tr.ev.q = nil
-			return q
-		}
 		synctest.Wait()
-		q := take()
+		q := tr.takeEvents()
 		if limit := maxUnapplied/frameCost + 1; len(q) > limit {
 			t.Fatalf("%d messages read before a pass, want at most %d", len(q), limit)
 		}
@@ -534,7 +527,7 @@ func TestVLLMPipeReaderBounded(t *testing.T) {
 			}
 		}
 		synctest.Wait()
-		if len(take()) == 0 {
+		if len(tr.takeEvents()) == 0 {
 			t.Error("the pipe's reader did not go on once its messages were applied")
 		}
 	})
