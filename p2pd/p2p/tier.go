@@ -406,8 +406,6 @@ func (t *Tier) shakeDeadline(c net.Conn, d time.Time) {
 	}
 }
 
-// post queues e to be applied under the manager lock and wakes the poll
-// goroutine. Socket goroutines call it; it never blocks for long.
 // takeEvents returns what the connection goroutines posted, oldest first.
 func (t *Tier) takeEvents() []event {
 	t.ev.Lock()
@@ -417,6 +415,8 @@ func (t *Tier) takeEvents() []event {
 	return q
 }
 
+// post queues e to be applied under the manager lock and wakes the poll
+// goroutine. Socket goroutines call it; it never blocks for long.
 func (t *Tier) post(e event) {
 	t.ev.Lock()
 	t.ev.q = append(t.ev.q, e)
