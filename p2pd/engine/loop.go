@@ -259,6 +259,7 @@ func (e *Engine) finishCommands() bool {
 			e.reap()
 		}
 		if len(e.active) == 0 {
+			e.counts()
 			c.reply <- nil
 			return true
 		}

@@ -10,6 +10,7 @@ import (
 	"log/slog"
 	"net"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -710,13 +711,12 @@ func TestReaderBoundsUnappliedFrames(t *testing.T) {
 				cc := newCtrlConn(a)
 				s := &session{}
 				cc.s = s
-				if draining { // a duplicate that was active before cc and has not sent its marker
+				if draining { // a duplicate cc beats, whose marker has not come
 					retiring := newCtrlConn(nil)
-					s.activate(retiring)
-					retiring.wasActive = true
+					rank(retiring, cc)
 					s.old = []*ctrlConn{retiring}
 				}
-				s.activate(cc)
+				s.conn = cc
 				done := make(chan struct{})
 				go func() { defer close(done); tr.reader(cc) }()
 				frame := wire.Append(nil, wire.Pong{Seq: 1}) // handled with no roles in the session
@@ -863,10 +863,10 @@ func TestDeferredFramesWaitOnlyForEarlierConnections(t *testing.T) {
 		A, B, C := newCtrlConn(aIn), newCtrlConn(bIn), newCtrlConn(nil)
 		s := &session{}
 		A.s, B.s, C.s = s, s, s
-		s.activate(A)
-		A.wasActive, A.retiring = true, true // B won over A
+		rank(A, B, C)
+		A.retiring = true // B won over A
 		s.old = []*ctrlConn{A}
-		s.activate(B)
+		s.conn = B
 		done := make(chan struct{})
 		go func() { defer close(done); tr.reader(B) }()
 		wrote := make(chan struct{})
@@ -898,9 +898,9 @@ func TestDeferredFramesWaitOnlyForEarlierConnections(t *testing.T) {
 			t.Fatalf("%d frames deferred behind A, B's marker read %v: want B's frames waiting", len(s.deferred), B.peerDone)
 		}
 		// C wins over B: B retires while it was the active one.
-		B.retiring, B.wasActive = true, true
+		B.retiring = true
 		s.old = append(s.old, B)
-		s.activate(C)
+		s.conn = C
 		frameReceived{cc: C, m: wire.Pong{Seq: 2}}.apply(tr)
 		if C.nDeferred != 1 {
 			t.Fatalf("C's frame: %d deferred, want it waiting for B", C.nDeferred)
@@ -927,11 +927,10 @@ func TestRetiredConnectionWaitsForEarlier(t *testing.T) {
 	A, B, C := newCtrlConn(nil), newCtrlConn(nil), newCtrlConn(nil)
 	s := &session{}
 	A.s, B.s, C.s = s, s, s
-	s.activate(A)
-	s.activate(B)
-	s.activate(C)
-	A.wasActive, A.retiring, B.wasActive, B.retiring = true, true, true, true
+	rank(A, B, C)
+	A.retiring, B.retiring = true, true
 	s.old = []*ctrlConn{A, B}
+	s.conn = C
 	frameReceived{cc: B, m: wire.Pong{Seq: 1}}.apply(tr)
 	if B.nDeferred != 1 {
 		t.Fatalf("B's frame: %d deferred, want it waiting for A's marker", B.nDeferred)
@@ -942,4 +941,225 @@ func TestRetiredConnectionWaitsForEarlier(t *testing.T) {
 	if B.nDeferred != 0 || len(s.deferred) != 0 {
 		t.Errorf("after A's marker %d frames still deferred", len(s.deferred))
 	}
+}
+
+// rank orders connections of one dialler as wins does: each beats the
+// ones before it (the peer used them in that order).
+func rank(ccs ...*ctrlConn) {
+	for i, cc := range ccs {
+		cc.dialer = "peer"
+		cc.nonce[0] = byte(len(ccs) - i)
+	}
+}
+
+// pongsQueued decodes the Pong seqs queued on cc (no socket: queue keeps them).
+func pongsQueued(t *testing.T, cc *ctrlConn) []uint64 {
+	t.Helper()
+	var seqs []uint64
+	for _, f := range cc.out.frames {
+		p, err := wire.ReadFrame(bytes.NewReader(f), nil, wire.MaxFrame)
+		if err != nil {
+			t.Fatal(err)
+		}
+		m, err := wire.Decode(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if pm, ok := m.(wire.Pong); ok {
+			seqs = append(seqs, pm.Seq)
+		}
+	}
+	return seqs
+}
+
+func pipeConn(t *testing.T) *ctrlConn {
+	a, b := net.Pipe()
+	t.Cleanup(func() { a.Close(); b.Close() })
+	return newCtrlConn(a)
+}
+
+var dupMarker = wire.Disconnect{Code: wire.CodeDuplicate, Reason: "duplicate connection"}
+
+// S6.1: B won over A, C over B (the peer sent on A, its marker; on B Ping
+// 1, its marker; on C Ping 2). C's Ping arrives first, then B's frames and
+// B's end (the peer closed B once both markers passed), all before A's
+// marker. B's frames still wait for A when B's reader ends; C must still
+// wait for them. (It was served ahead of them: closing B took it out of
+// what C waited for.)
+func TestClosedConnectionStillOrdersLaterOnes(t *testing.T) {
+	tr := &Tier{env: offload.TierEnv{Now: time.Now, Wake: func() {}}}
+	A, B, C := pipeConn(t), pipeConn(t), newCtrlConn(nil)
+	s := &session{}
+	A.s, B.s, C.s = s, s, s
+	rank(A, B, C)
+	A.retiring, B.retiring = true, true
+	s.old = []*ctrlConn{A, B}
+	s.conn = C
+	frameReceived{cc: C, m: wire.Ping{Seq: 2}}.apply(tr)
+	frameReceived{cc: B, m: wire.Ping{Seq: 1}}.apply(tr)
+	frameReceived{cc: B, m: dupMarker}.apply(tr)
+	connClosed{B, io.EOF}.apply(tr)
+	frameReceived{cc: C, m: wire.Ping{Seq: 3}}.apply(tr) // after B's end: still behind B's frames
+	tr.handle(A, dupMarker)                              // A's marker: everything may be served now
+	got := pongsQueued(t, C)
+	if !slices.Equal(got, []uint64{1, 2, 3}) {
+		t.Fatalf("pongs served in order %v, want [1 2 3] (the peer sent Ping 1 on B before Pings 2 and 3 on C)", got)
+	}
+	if len(s.deferred) != 0 {
+		t.Errorf("%d frames still deferred", len(s.deferred))
+	}
+}
+
+// S6.1: the peer's connections become active in the order wins ranks
+// them (each new active one beats the one before), whatever order they
+// complete in here. Here A was active, C beat A, then B arrived and lost
+// to C (never active here). The peer established A, B, C in that order:
+// it sent Ping 1 on B (active there), its marker, then Ping 2 on C. C's
+// Ping must wait for B's. (Frames waited by the order connections became
+// active here, and C's went first.)
+func TestFramesFollowThePeersOrder(t *testing.T) {
+	tr := &Tier{env: offload.TierEnv{Now: time.Now, Wake: func() {}}}
+	A, B, C := pipeConn(t), pipeConn(t), newCtrlConn(nil)
+	for i, cc := range []*ctrlConn{A, B, C} {
+		cc.dialer = "n1"
+		cc.nonce[0] = byte(3 - i) // C beats B beats A
+	}
+	if !wins(C, B) || !wins(B, A) {
+		t.Fatal("ranking")
+	}
+	s := &session{}
+	A.s, B.s, C.s = s, s, s
+	A.retiring, B.retiring = true, true // C won over A; B lost to C
+	s.old = []*ctrlConn{A, B}
+	s.conn = C
+	frameReceived{cc: C, m: wire.Ping{Seq: 2}}.apply(tr)
+	tr.handle(A, dupMarker) // A's marker
+	frameReceived{cc: B, m: wire.Ping{Seq: 1}}.apply(tr)
+	frameReceived{cc: B, m: dupMarker}.apply(tr)
+	got := pongsQueued(t, C)
+	if len(got) != 2 || got[0] != 1 || got[1] != 2 {
+		t.Fatalf("pongs served in order %v, want [1 2] (the peer sent Ping 1 on B before Ping 2 on C)", got)
+	}
+}
+
+// S6.1, S6.8: a Disconnect the peer sent on B while B was the active
+// connection (the peer ended the session) waits behind A's marker; C then
+// wins over B. Served once A's marker arrives, it must still end the
+// session. (It only closed B, a retiring duplicate by then.)
+func TestDeferredDisconnectEndsTheSession(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		mn := newMemNet()
+		n := newNode(t, mn, nil, 4)
+		connectFake(t, mn, n, "fake")
+		synctest.Wait()
+		n.m.Do(func(*offload.Step) {
+			tr := n.tier
+			var s *session
+			for x := range tr.sessions {
+				s = x
+			}
+			A := s.conn
+			A.retiring = true // B won over A
+			s.old = append(s.old, A)
+			B, C := pipeConn(t), pipeConn(t)
+			B.s, C.s = s, s
+			B.dialer, C.dialer = A.dialer, A.dialer
+			B.nonce[31] = 1 // B beats A's random nonce, C beats B
+			if !wins(B, A) || !wins(C, B) {
+				t.Fatal("the ranking does not hold")
+			}
+			s.conn = B
+			frameReceived{cc: B, m: wire.Disconnect{Code: wire.CodeProtocol, Reason: "bye"}}.apply(tr)
+			if B.nDeferred != 1 {
+				t.Fatalf("B's Disconnect: %d deferred, want it waiting for A", B.nDeferred)
+			}
+			B.retiring = true // C won over B
+			s.old = append(s.old, B)
+			s.conn = C
+			tr.handle(A, dupMarker)
+			if !s.dead {
+				t.Errorf("the peer's Disconnect, sent on its active connection, left the session alive (B closed: %v)", B.out.closed)
+			}
+		})
+		n.m.Close()
+	})
+}
+
+// S6.1: nothing is sent on a connection after its duplicate marker. When
+// a winning duplicate arrives with maxRetiring connections retiring,
+// retire closes the oldest, which serves frames that waited for it; what
+// they answer went out on the connection that had just sent its marker
+// (it was retired before the new one became active).
+func TestNothingAfterTheMarker(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		mn := newMemNet()
+		n := newNode(t, mn, nil, 4)
+		f := connectFake(t, mn, n, "fake")
+		synctest.Wait()
+		conn := f.shaker().Connect
+		var far []net.Conn
+		var got [][]wire.Msg
+		var mu sync.Mutex
+		dup := func(k int) {
+			near, farEnd := net.Pipe()
+			far = append(far, farEnd)
+			mu.Lock()
+			got = append(got, nil)
+			mu.Unlock()
+			go func() {
+				for {
+					p, err := wire.ReadFrame(farEnd, nil, wire.MaxFrame)
+					if err != nil {
+						return
+					}
+					m, _ := wire.Decode(p)
+					mu.Lock()
+					got[k] = append(got[k], m)
+					mu.Unlock()
+				}
+			}()
+			sh := shaken{Peer: conn, Dialer: "fake"}
+			sh.DialNonce[31] = byte(10 - k) // each beats the one before (and A's random nonce)
+			n.tier.established(nil, near, sh)
+		}
+		n.m.Do(func(*offload.Step) {
+			tr := n.tier
+			var s *session
+			for x := range tr.sessions {
+				s = x
+			}
+			dup(0) // B wins over A
+			B := s.conn
+			frameReceived{cc: B, m: wire.Ping{Seq: 7}}.apply(tr) // waits for A's marker
+			if B.nDeferred != 1 {
+				t.Fatalf("B's Ping: %d deferred", B.nDeferred)
+			}
+			dup(1) // C
+			dup(2) // D
+			dup(3) // E: A, B, C, D retire
+			if len(s.old) != maxRetiring {
+				t.Fatalf("%d retiring", len(s.old))
+			}
+			dup(4) // F: E retires, A is closed, B's Ping is served
+		})
+		synctest.Wait()
+		mu.Lock()
+		defer mu.Unlock()
+		for k, ms := range got {
+			marker := false
+			for _, m := range ms {
+				if d, ok := m.(wire.Disconnect); ok && d.Code == wire.CodeDuplicate {
+					marker = true
+					continue
+				}
+				if marker {
+					t.Errorf("connection %d: %T %+v sent after its duplicate marker", k, m, m)
+				}
+			}
+		}
+		for _, c := range far {
+			c.Close()
+		}
+		n.m.Close()
+	})
 }

@@ -38,15 +38,15 @@ type session struct {
 
 	ready, dead bool
 	held        []wire.Msg // role messages queued until ready
-	// deferred holds frames of a connection while one that was active
-	// before it has not delivered its last frame (the peer's marker): the
-	// peer sent those first, so they are served first (S6.1). Their bytes
-	// stay counted against their reader's maxUnapplied until then: each
-	// connection waits only for earlier ones, so the earliest always reads.
-	deferred    []frameReceived
-	activations uint64 // connections that became active, numbering them (ctrlConn.activeSeq)
-	flushing    bool   // flushDeferred runs (a frame it serves may end a connection and flush again)
-	flushAgain  bool
+	// deferred holds frames of a connection while one the peer used
+	// before it has not delivered its last frame, its marker (S6.1): the
+	// peer sends on its connections in wins order, worst first, so a
+	// connection waits only for those it beats. Their bytes stay counted
+	// against their reader's maxUnapplied until served; the worst
+	// connection never waits, so its reader always reads on.
+	deferred   []frameReceived
+	flushing   bool // flushDeferred runs (a frame it serves may end a connection and flush again)
+	flushAgain bool
 
 	live protocol.Liveness // keep-alive (S6.9)
 	errs int               // consecutive handler errors (S8.2)
@@ -65,8 +65,6 @@ type ctrlConn struct {
 	dialer    string   // node id of the side that dialled it
 	nonce     [32]byte // the dialler's handshake nonce
 	retiring  bool     // a losing duplicate: nothing new is sent on it
-	wasActive bool     // it was the session's active connection before it retired
-	activeSeq uint64   // when it became active, in its session's order; 0: never
 	nDeferred int      // its frames in the session's deferred
 	retiredAt time.Time
 	peerDone  bool            // the peer's duplicate marker arrived: nothing more comes on it
@@ -185,10 +183,9 @@ func (t *Tier) established(pending *session, c net.Conn, sh shaken) {
 			t.merge(s, pending)
 		}
 		t.start(s, cc)
-		if wins(cc, s.conn) {
-			s.conn.wasActive = true // the peer may have sent on it what precedes cc's frames
-			t.retire(s.conn)
-			s.activate(cc)
+		if old := s.conn; wins(cc, old) {
+			s.conn = cc // first: what retire's flush answers goes out on cc, not after old's marker
+			t.retire(old)
 		} else {
 			t.retire(cc)
 		}
@@ -216,7 +213,7 @@ func (t *Tier) established(pending *session, c net.Conn, sh shaken) {
 	s.peer, s.peerInc, s.peerAddr, s.peerInfo = pc.NodeID, pc.Incarnation, pc.Addr, pc.DataInfo
 	s.prod.Peer, s.cons.Peer = s.peer, s.peer
 	t.start(s, cc)
-	s.activate(cc)
+	s.conn = cc
 	if err := t.dp.AddPeer(s.peer, s.peerAddr, s.peerInfo); err != nil {
 		t.protocolErrorCode(s, wire.CodeDataPlane, fmt.Sprintf("data plane: %v", err))
 		return
@@ -324,29 +321,23 @@ func (t *Tier) endConn(cc *ctrlConn) {
 	}
 }
 
-// activate makes cc the session's active connection.
-func (s *session) activate(cc *ctrlConn) {
-	s.activations++
-	cc.activeSeq = s.activations
-	s.conn = cc
-}
-
-// waits says whether cc's frames must wait: a retiring duplicate that was
-// active before cc may still deliver frames the peer sent before them.
+// waits says whether a frame on cc must wait: a retiring connection cc
+// beats (the peer used it before cc) has not delivered its marker. A
+// connection that closed with frames held here is not waited for by
+// name: those frames wait for a worse one that cc beats too (wins is a
+// total order), and are served before cc's.
 func (s *session) waits(cc *ctrlConn) bool {
-	if cc.activeSeq == 0 {
-		return false // never active: a losing duplicate, served as it reads
-	}
 	for _, o := range s.old {
-		if o.wasActive && !o.peerDone && o.activeSeq < cc.activeSeq {
+		if o != cc && !o.peerDone && wins(cc, o) {
 			return true
 		}
 	}
 	return false
 }
 
-// flushDeferred serves, in order, the held frames of every connection
-// that no longer waits (a connection's frames stay in their order).
+// flushDeferred serves the held frames the peer sent before anything
+// still missing: connection by connection, worst first (the peer's
+// order), each in its own order, up to the first that still waits.
 func (t *Tier) flushDeferred(s *session) {
 	if s.flushing {
 		s.flushAgain = true
@@ -354,26 +345,36 @@ func (t *Tier) flushDeferred(s *session) {
 	}
 	s.flushing = true
 	defer func() { s.flushing = false }()
-	for again := true; again && len(s.deferred) > 0; {
+	for again := true; again && len(s.deferred) > 0 && !s.dead; {
 		s.flushAgain = false
 		fs := s.deferred
 		s.deferred = nil
-		kept := map[*ctrlConn]bool{}
-		for i, f := range fs {
-			if s.dead {
-				for _, f := range fs[i:] {
-					f.cc.release(f.n)
+		var conns []*ctrlConn
+		for _, f := range fs {
+			if !slices.Contains(conns, f.cc) {
+				conns = append(conns, f.cc)
+			}
+		}
+		slices.SortFunc(conns, func(a, b *ctrlConn) int {
+			if wins(b, a) {
+				return -1 // a is worse: the peer used it first
+			}
+			return 1
+		})
+		blocked := false
+		for _, x := range conns {
+			blocked = blocked || s.waits(x)
+			for _, f := range fs {
+				switch {
+				case f.cc != x:
+				case blocked || s.dead:
+					s.deferred = append(s.deferred, f)
+				default:
+					x.nDeferred--
+					x.release(f.n)
+					t.handle(x, f.m)
 				}
-				return
 			}
-			if kept[f.cc] || s.waits(f.cc) {
-				kept[f.cc] = true
-				s.deferred = append(s.deferred, f)
-				continue
-			}
-			f.cc.nDeferred--
-			f.cc.release(f.n)
-			t.handle(f.cc, f.m)
 		}
 		again = s.flushAgain
 	}
@@ -521,10 +522,10 @@ func (t *Tier) send(s *session, m wire.Msg) {
 	t.sendNow(s, m)
 }
 
-// deferring keeps f while a duplicate active before its connection
-// drains, or while earlier frames of its connection are kept (S6.1: what
-// the peer sent first is served first), its bytes still counted against
-// its reader's maxUnapplied; false when f is to be handled now.
+// deferring keeps f while a connection the peer used before f's has not
+// delivered everything, or while earlier frames of f's connection are
+// kept (S6.1: what the peer sent first is served first), its bytes still
+// counted against its reader's maxUnapplied; false: handle f now.
 func (t *Tier) deferring(f frameReceived) bool {
 	s := f.cc.s
 	if s.dead || (f.cc.nDeferred == 0 && !s.waits(f.cc)) {
@@ -558,9 +559,7 @@ func (t *Tier) handle(cc *ctrlConn, m wire.Msg) {
 			if cc.retiring {
 				t.finishConn(cc) // and serves what waited for it
 			}
-		case cc != s.conn:
-			t.closeConn(cc)
-		default:
+		default: // on whichever connection: the peer sends it where it ended its session
 			t.kill(s, "peer disconnected: "+m.Code.String()+": "+m.Reason[:min(len(m.Reason), protocol.MaxPeerText)])
 		}
 		return
