@@ -43,7 +43,7 @@ func NewPolicy(name string, capacity int) (Policy, error) {
 // lease's, a scrub's) leaves the order as it was: a scrub pins every
 // block, and would otherwise shuffle the order by its unpins. The cost:
 // Evict walks past the pinned keys at the least recent end, as ARC does
-// (about 4 ns each; many only while peers' leases hold old blocks).
+// (many only while peers' leases hold old blocks).
 type lru struct {
 	order *list.List // of *lruEntry, least recent first
 	elems map[Key]*list.Element

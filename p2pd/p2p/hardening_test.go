@@ -544,10 +544,7 @@ func TestDataConnectionsShareOneQueue(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			p, _ := wire.ReadFrame(c, nil, wire.MaxPreAuthFrame)
-			m, _ := wire.Decode(p)
-			h, _ := m.(wire.Hello)
-			if err := f.shaker().acceptData(c, h, func(peerID) bool { return true }, nil); err != nil {
+			if err := f.acceptData(c); err != nil {
 				t.Fatal(err)
 			}
 			if i == 0 {
@@ -823,9 +820,7 @@ func TestDataWriteStallCutOff(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer c.Close()
-		p, _ := wire.ReadFrame(c, nil, wire.MaxPreAuthFrame)
-		m, _ := wire.Decode(p)
-		if err := f.shaker().acceptData(c, m.(wire.Hello), func(peerID) bool { return true }, nil); err != nil {
+		if err := f.acceptData(c); err != nil {
 			t.Fatal(err)
 		}
 		start := time.Now()

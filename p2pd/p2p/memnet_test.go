@@ -3,6 +3,7 @@ package p2p
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net"
 	"sync"
 	"testing"
@@ -145,6 +146,24 @@ func acceptFake(t testing.TB, l net.Listener, id string) *fakePeer {
 	}
 	f.serve()
 	return f
+}
+
+// acceptData answers, as the acceptor, the handshake of a data
+// connection the node dialled to the fake: its hello, then the proofs.
+func (f *fakePeer) acceptData(c net.Conn) error {
+	p, err := wire.ReadFrame(c, nil, wire.MaxPreAuthFrame)
+	if err != nil {
+		return err
+	}
+	m, err := wire.Decode(p)
+	if err != nil {
+		return err
+	}
+	h, ok := m.(wire.Hello)
+	if !ok {
+		return fmt.Errorf("first frame %v, want a hello", m.Type())
+	}
+	return f.shaker().acceptData(c, h, func(peerID) bool { return true }, nil)
 }
 
 // serve reads what the node sends after the handshake, answering pings.
