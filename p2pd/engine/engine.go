@@ -243,8 +243,8 @@ func (e *Engine) Submit(ctx context.Context, r Request) (api.Result, error) {
 		return api.Result{}, fmt.Errorf("%w, not %q", ErrBadDigest, r.Digest)
 	}
 	// Sized and hashed here, not in the loop: a 30-byte {"seed": 1,
-	// "tokens": 4194304} would hold the loop while it hashed 65,536
-	// blocks' keys, only to refuse it as too large.
+	// "tokens": 4194304} would hold the loop while it hashed the keys of
+	// four million tokens, only to refuse it as too large.
 	if n := len(r.Tokens) / e.geo.BlockTokens; n > e.total {
 		return api.Result{}, fmt.Errorf("%w: %d blocks, the cache has %d", ErrTooLarge, n, e.total)
 	}
