@@ -187,3 +187,48 @@ func TestNoDeadlineAfterFinish(t *testing.T) {
 		t.Errorf("idle manager, no request: clock armed for %v from now", time.Until(d).Round(time.Second))
 	}
 }
+
+// orderTier has one key (a Hit), answers Retry for the rest and records
+// the calls a step's end makes into it.
+type orderTier struct {
+	nullTier
+	has   Key
+	calls []string
+}
+
+func (o *orderTier) Lookup(k Key, _ *Request) Result {
+	if k == o.has {
+		return Hit
+	}
+	return Retry
+}
+func (o *orderTier) Probe(*Request, []Key) { o.calls = append(o.calls, "probe") }
+func (o *orderTier) SubmitLoad(*Job)       { o.calls = append(o.calls, "submit load") }
+func (o *orderTier) OnScheduleEnd()        { o.calls = append(o.calls, "schedule end") }
+func (o *orderTier) Serve(Parent) error    { o.calls = append(o.calls, "serve"); return nil }
+func (o *orderTier) Finished() []JobResult { return nil }
+
+// B5: the step's end hands the probers their keys and submits the step's
+// promotions, then runs the step-end hooks (a P2P lookup and fetch leave
+// there), and only then the rest of the pass (tiers serving peers), so
+// that the rest overlaps the round trip the hooks start. The hooks still
+// follow the probes and promotions they depend on.
+func TestStepEndHooksBeforeServe(t *testing.T) {
+	ks := testKeys(2)
+	ot := &orderTier{has: ks[0]}
+	m := testManager(t, 4, TierSpec{Name: "peer", Locality: Remote, New: func(TierEnv) (Tier, error) { return ot, nil }})
+	req := &Request{ID: "r"}
+	m.Do(func(s *Step) { s.OnNewRequest(req) })
+	ot.calls = nil
+	s := m.Begin()
+	if r := s.Lookup(ks[0], req); r != HitPending {
+		t.Fatalf("the peer's key answered %v, want hit_pending (a promotion)", r)
+	}
+	if r := s.Lookup(ks[1], req); r != Retry {
+		t.Fatalf("the other key answered %v, want retry", r)
+	}
+	s.OnScheduleEnd()
+	if want := []string{"probe", "submit load", "schedule end", "serve"}; !slices.Equal(ot.calls, want) {
+		t.Errorf("the step's end called %q, want %q", ot.calls, want)
+	}
+}
