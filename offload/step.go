@@ -2,7 +2,7 @@ package offload
 
 // The step: holding the manager lock (S2.0). An engine step is Begin …
 // OnScheduleEnd; Do is a step outside the scheduling phase. Every step ends
-// with the tiers' step-end hooks and the one service pass.
+// with the one service pass and the tiers' step-end hooks.
 
 import (
 	"errors"
@@ -30,9 +30,9 @@ func (m *Manager) Begin() *Step {
 
 // Do runs fn as one step outside the engine's scheduling phase (an
 // executor reporting a finished copy, an abort, an admin call): Begin, fn,
-// OnScheduleEnd. It ends like every step (issue 13): the promotions fn
-// queued, the tiers' step-end hooks (a P2P lookup registered in fn is
-// asked when Do returns), the service pass.
+// OnScheduleEnd. It ends like every step (issue 13): the service pass,
+// the promotions fn queued, the tiers' step-end hooks (a P2P lookup
+// registered in fn is asked when Do returns).
 func (m *Manager) Do(fn func(s *Step)) {
 	s := m.Begin()
 	defer s.OnScheduleEnd()
@@ -63,13 +63,9 @@ func (m *Manager) misuseLocked(op, reason string, err error) {
 	m.log.Warn("offload: "+op+" failed", "reason", reason, "err", err)
 }
 
-// OnScheduleEnd ends the step (S2.2): it hands the probers the keys the
-// step's lookups answered Retry for, submits the promotions the step
-// queued, tells tiers the step ended (a P2P lookup leaves), then runs the
-// rest of the service pass — finished jobs, tiers serving peers, parked
-// cascades — and releases the lock. The hooks come before that rest so
-// that it overlaps the round trip they start (B5); what they send depends
-// only on the probes and promotions, which come before them as always.
+// OnScheduleEnd ends the step (S2.2): it applies finished jobs, lets tiers
+// serve peers, submits the promotions queued in this step, retries parked
+// cascades, tells tiers the step ended and releases the lock.
 func (s *Step) OnScheduleEnd() {
 	if s.ended {
 		s.m.misuseLocked("schedule end", "step_ended", ErrStepEnded)
@@ -81,22 +77,16 @@ func (s *Step) OnScheduleEnd() {
 	if m.mu.closed {
 		return
 	}
-	err := m.flushProbesLocked(nil)
-	m.flushPromotionsLocked()
+	if _, err := m.serviceLocked(nil); err != nil {
+		for _, e := range joined(err) {
+			if !errors.Is(e, ErrTierPanic) { // panics are logged where they are recovered
+				m.log.Warn("offload: servicing the tiers at the step's end failed", "err", e)
+			}
+		}
+	}
 	for i, t := range m.mu.tiers {
 		if e, ok := t.(StepEnder); ok {
 			m.tierCall(i, "schedule end", e.OnScheduleEnd)
-		}
-	}
-	if _, e := m.serviceLocked(nil); e != nil {
-		err = errors.Join(err, e)
-	}
-	if err == nil {
-		return
-	}
-	for _, e := range joined(err) {
-		if !errors.Is(e, ErrTierPanic) { // panics are logged where they are recovered
-			m.log.Warn("offload: servicing the tiers at the step's end failed", "err", e)
 		}
 	}
 }

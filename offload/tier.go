@@ -38,9 +38,7 @@ type (
 	// (S3.3); the tier keeps being served.
 	Server interface{ Serve(p Parent) error }
 	// StepEnder is implemented by tiers that batch work per engine step
-	// (for example lookups sent to a peer once per step). At the step's
-	// end it runs after the step's probes and promotions reached the
-	// tiers, before the rest of the service pass.
+	// (for example lookups sent to a peer once per step).
 	StepEnder interface{ OnScheduleEnd() }
 	// Prober is implemented by tiers that find out asynchronously (a
 	// peer). Their Lookup stays pure: a key they were not asked about
