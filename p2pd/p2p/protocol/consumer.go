@@ -48,15 +48,29 @@ func (cs *Consumers) New() *Consumer {
 		Stats: PeerStats{Rounds: offload.NewHistogram(offload.LatencyBounds...)}}
 }
 
-// probe is a key's state in a request's lookups.
-type probe int8
+// probe is a key's state in a request's lookups, and for a key asked and
+// not answered yet, the lookup it was asked in.
+type probe struct {
+	state  probeState
+	lookup uint32 // while pending: the request's lookup that asked it (sentLookup.n)
+}
+
+type probeState int8
 
 const (
-	probeUnsent  probe = iota // looked up, not asked yet (in Req.unsent)
-	probePending              // asked, not answered yet
+	probeUnsent  probeState = iota // looked up, not asked yet (in Req.unsent)
+	probePending                   // asked, not answered yet
 	probeHit
 	probeMiss
 )
+
+// sentLookup is one lookup frame of a request with keys still unanswered:
+// each has its own lookup_timeout from when it was sent (S6.10).
+type sentLookup struct {
+	n    uint32    // the request's count of lookups sent, this one included
+	at   time.Time // sent
+	left int       // its keys not answered yet
+}
 
 // Req is a local request that fetches from the session's peer (S6.2).
 type Req struct {
@@ -65,13 +79,17 @@ type Req struct {
 	kvID       string
 	probes     map[offload.Key]probe
 	unsent     []offload.Key
-	asked      int       // probes sent to the peer and not answered
-	peak       int       // the most probes it held (bounds what is recycled)
-	round      uint64    // the round its lookups go in; 0: none open
-	lookupOpen bool      // a lookup was sent and no fetch closed it (S6.7)
-	askedAt    time.Time // the oldest lookup still unanswered was sent (S6.10)
-	failed     bool      // answers Miss for the rest of its life (S6.6)
-	finished   bool
+	asked      int    // probes sent to the peer and not answered
+	peak       int    // the most probes it held (bounds what is recycled)
+	round      uint64 // the round its lookups go in; 0: none open
+	lookupOpen bool   // a lookup was sent and no fetch closed it (S6.7)
+	// lookups are the lookups sent in this round, from the oldest with a
+	// key unanswered on: numbered lookups[0].n, lookups[0].n+1, … (each
+	// holds a distinct key, so there are never more than probes).
+	lookups  []sentLookup
+	sent     uint32 // lookups sent so far (numbers them)
+	failed   bool   // answers Miss for the rest of its life (S6.6)
+	finished bool
 }
 
 // load is a promotion in flight from the peer: it succeeds when the
@@ -147,8 +165,9 @@ func (WakeAt) isAction()       {}
 var spares sync.Pool
 
 type spare struct {
-	probes map[offload.Key]probe
-	unsent []offload.Key
+	probes  map[offload.Key]probe
+	unsent  []offload.Key
+	lookups []sentLookup
 }
 
 const maxSpareProbes = 4096
@@ -163,7 +182,7 @@ func (c *Consumer) Add(req *offload.Request, kvID string) *Req {
 	if sp == nil {
 		sp = &spare{probes: map[offload.Key]probe{}}
 	}
-	r := &Req{Req: req, c: c, kvID: kvID, probes: sp.probes, unsent: sp.unsent}
+	r := &Req{Req: req, c: c, kvID: kvID, probes: sp.probes, unsent: sp.unsent, lookups: sp.lookups}
 	c.reqs[kvID] = r
 	return r
 }
@@ -182,7 +201,7 @@ func (r *Req) Lookup(k offload.Key) offload.Result {
 	if r.failed || r.finished || r.c.dead {
 		return offload.Miss
 	}
-	switch r.probes[k] {
+	switch r.probes[k].state {
 	case probeHit:
 		return offload.Hit
 	case probeMiss:
@@ -199,7 +218,7 @@ func (r *Req) Probe(keys []offload.Key) {
 	}
 	for _, k := range keys {
 		if _, ok := r.probes[k]; !ok {
-			r.probes[k] = probeUnsent
+			r.probes[k] = probe{state: probeUnsent}
 			r.unsent = append(r.unsent, k)
 		}
 	}
@@ -209,11 +228,27 @@ func (r *Req) Probe(keys []offload.Key) {
 func (r *Req) waiting() bool { return r.asked > 0 }
 
 // answer records the peer's answer for an asked key; an answer for a key
-// never asked (a confused or hostile peer) changes nothing.
-func (r *Req) answer(k offload.Key, p probe) {
-	if v, ok := r.probes[k]; ok && v == probePending {
-		r.probes[k] = p
-		r.asked--
+// never asked (a confused or hostile peer) changes nothing. A lookup
+// whose keys are all answered stops being bounded (S6.10).
+func (r *Req) answer(k offload.Key, p probeState) {
+	v, ok := r.probes[k]
+	if !ok || v.state != probePending {
+		return
+	}
+	r.probes[k] = probe{state: p}
+	r.asked--
+	if len(r.lookups) == 0 {
+		return
+	}
+	if i := int(v.lookup) - int(r.lookups[0].n); i >= 0 && i < len(r.lookups) {
+		r.lookups[i].left--
+	}
+	done := 0
+	for done < len(r.lookups) && r.lookups[done].left == 0 {
+		done++
+	}
+	if done > 0 {
+		r.lookups = append(r.lookups[:0], r.lookups[done:]...) // keeps the array for the next lookups
 	}
 }
 
@@ -229,14 +264,15 @@ func (c *Consumer) Ask(now time.Time) bool {
 			c.cs.round++
 			r.round = c.cs.round
 		}
-		if !r.waiting() { // the lookup's bound starts (S6.10)
-			r.askedAt = now
+		if len(r.lookups) == 0 { // the request's oldest bound starts (S6.10)
 			c.emit(WakeAt{now.Add(c.cs.Config.LookupTimeout)})
 		}
+		r.sent++
+		r.lookups = append(r.lookups, sentLookup{n: r.sent, at: now, left: len(r.unsent)})
 		keys := make([]wire.Key, len(r.unsent))
 		for i, k := range r.unsent {
 			keys[i] = k
-			r.probes[k] = probePending
+			r.probes[k] = probe{state: probePending, lookup: r.sent}
 		}
 		c.emit(SendFrame{wire.Lookup{ReqID: r.kvID, Round: r.round, Keys: keys}})
 		c.Stats.LookupsSent++
@@ -280,9 +316,6 @@ func (c *Consumer) LookupResp(m wire.LookupResp) error {
 			r.answer(k, probeMiss)
 		}
 	}
-	if !r.waiting() {
-		r.askedAt = time.Time{}
-	}
 	c.emit(Progress{}) // lookup answers changed (S2.10)
 	return nil
 }
@@ -303,7 +336,7 @@ func (c *Consumer) Load(r *Req, job *offload.Job, usable bool, now time.Time) {
 		return
 	}
 	for _, k := range job.Keys {
-		if r.probes[k] != probeHit {
+		if r.probes[k].state != probeHit {
 			fail()
 			return
 		}
@@ -328,7 +361,7 @@ func (c *Consumer) Load(r *Req, job *offload.Job, usable bool, now time.Time) {
 	r.asked = 0
 	r.unsent = r.unsent[:0]
 	r.round = 0
-	r.askedAt = time.Time{}
+	r.lookups = r.lookups[:0]
 	c.emit(WakeAt{l.sent.Add(c.cs.Config.LoadTimeout)}) // the load's timeout
 }
 
@@ -425,25 +458,28 @@ func (c *Consumer) Timeouts(now time.Time) time.Time {
 	}
 	cfg := c.cs.Config
 	for _, r := range c.reqs {
-		if r.askedAt.IsZero() {
-			continue
+		// The lookups sent by now-LookupTimeout are a prefix (sent in
+		// order); each unanswered one times out, the later ones wait.
+		due := 0
+		for due < len(r.lookups) && !now.Before(r.lookups[due].at.Add(cfg.LookupTimeout)) {
+			due++
 		}
-		d := r.askedAt.Add(cfg.LookupTimeout)
-		if !now.Before(d) {
-			c.cs.Stats.LookupTimeouts++
+		if due > 0 {
+			c.cs.Stats.LookupTimeouts += uint64(due)
 			if c.cs.Log != nil {
-				c.cs.Log.Warn("p2p: lookup not answered in time; its keys miss", "peer", c.Peer, "kv_request_id", r.kvID)
+				c.cs.Log.Warn("p2p: lookup not answered in time; its keys miss", "peer", c.Peer, "kv_request_id", r.kvID, "lookups", due)
 			}
+			last := r.lookups[due-1].n
 			for k, v := range r.probes {
-				if v == probePending {
+				if v.state == probePending && v.lookup <= last {
 					r.answer(k, probeMiss)
 				}
 			}
-			r.askedAt = time.Time{}
 			c.emit(Progress{})
-			continue
 		}
-		soonest(d)
+		if len(r.lookups) > 0 {
+			soonest(r.lookups[0].at.Add(cfg.LookupTimeout))
+		}
 	}
 	for round, l := range c.loads {
 		switch {
@@ -526,9 +562,9 @@ func (c *Consumer) Finish(r *Req, now time.Time) {
 		delete(c.reqs, r.kvID)
 		if r.peak <= maxSpareProbes {
 			clear(r.probes)
-			spares.Put(&spare{r.probes, r.unsent[:0]})
+			spares.Put(&spare{r.probes, r.unsent[:0], r.lookups[:0]})
 		}
-		r.probes, r.unsent = nil, nil // nothing reads a finished request's probes
+		r.probes, r.unsent, r.lookups = nil, nil, nil // nothing reads a finished request's probes
 	}
 }
 

@@ -187,3 +187,49 @@ func TestConsumerDoneCompletes(t *testing.T) {
 		t.Errorf("rounds ok %d, failed %d", cs.Stats.RoundsOK, cs.Stats.RoundsFailed)
 	}
 }
+
+// S6.10 (found in review): each lookup has its own lookup_timeout from
+// when it left. A second lookup of the request, sent while the first was
+// unanswered, was bounded by the first one's send time: it timed out
+// early — with the first unanswered, and also once the first was answered.
+func TestConsumerEachLookupItsOwnBound(t *testing.T) {
+	for _, answerFirst := range []bool{false, true} {
+		cs, c := newCons() // lookup_timeout 7 s
+		t0 := time.Unix(1000, 0)
+		r := c.Add(&offload.Request{ID: "r"}, "kv")
+		r.Probe([]offload.Key{key(1)})
+		c.Ask(t0)
+		r.Probe([]offload.Key{key(2)})
+		c.Ask(t0.Add(5 * time.Second))
+		c.Take()
+		if answerFirst {
+			if err := c.LookupResp(wire.LookupResp{ReqID: "kv", Round: r.round, Keys: []wire.Key{key(1)}, Hits: []bool{true}}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		want1 := offload.Miss // the first lookup's bound
+		if answerFirst {
+			want1 = offload.Hit
+		}
+		next := c.Timeouts(t0.Add(7 * time.Second))
+		if got := [2]offload.Result{r.Lookup(key(1)), r.Lookup(key(2))}; got != [2]offload.Result{want1, offload.Retry} {
+			t.Errorf("answered first %v: at 7 s the keys answer %v, want [%v retry]", answerFirst, got, want1)
+		}
+		if want := t0.Add(12 * time.Second); !next.Equal(want) {
+			t.Errorf("answered first %v: the next deadline %v, want the second lookup's %v", answerFirst, next, want)
+		}
+		wantTimeouts := uint64(1)
+		if answerFirst {
+			wantTimeouts = 0
+		}
+		if cs.Stats.LookupTimeouts != wantTimeouts {
+			t.Errorf("answered first %v: %d lookup timeouts at 7 s, want %d", answerFirst, cs.Stats.LookupTimeouts, wantTimeouts)
+		}
+		if next := c.Timeouts(t0.Add(12 * time.Second)); !next.IsZero() || r.Lookup(key(2)) != offload.Miss {
+			t.Errorf("answered first %v: at 12 s key 2 answers %v and the next deadline is %v, want miss and none", answerFirst, r.Lookup(key(2)), next)
+		}
+		if asked, _ := r.Probes(); asked != 0 {
+			t.Errorf("answered first %v: %d keys still unanswered", answerFirst, asked)
+		}
+	}
+}
