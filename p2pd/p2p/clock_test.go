@@ -77,3 +77,53 @@ func TestIdleAfterRoundNoPasses(t *testing.T) {
 		}
 	})
 }
+
+// S6.10, each lookup's bound runs from when it left (found in review): a
+// lookup asked while the session still dials is held until the handshake
+// ends. With a 2.5 s handshake and lookup_timeout 3 s (lookup_hold 1 s)
+// it leaves at 2.5 s; its bound ran from the step that asked it, so it
+// missed at 3 s though the producer answered within its lookup_hold.
+func TestHeldLookupBoundFromWhenItLeft(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		mn := newMemNet()
+		cons := newNode(t, mn, func(c *Config) { c.LookupHold = offload.Duration(time.Second) }, 16) // lookup_timeout 3 s
+		l, err := mn.Listen("fp:1")
+		if err != nil {
+			t.Fatal(err)
+		}
+		req := &offload.Request{ID: "r", TransferParams: source("kv", "fp:1")}
+		cons.m.Do(func(s *offload.Step) { s.OnNewRequest(req) })
+		keys := testKeys(1, 1)
+		t0 := time.Now()
+		step(cons, req, keys) // asked while dialling: held
+		fc := make(chan *fakePeer, 1)
+		go func() {
+			c, err := l.Accept()
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			f := newFake(t, "fp", "")
+			f.c = c
+			h, _ := f.read().(wire.Hello)
+			time.Sleep(2500 * time.Millisecond) // a slow (but in-time) handshake
+			if _, err := f.shaker().acceptControl(c, h); err != nil {
+				t.Errorf("handshake: %v", err)
+			}
+			f.serve()
+			fc <- f
+		}()
+		f := <-fc
+		lk := expect[wire.Lookup](t, f)
+		left := time.Since(t0)
+		time.Sleep(time.Second) // the producer's full lookup_hold
+		f.send(wire.LookupResp{ReqID: lk.ReqID, Round: lk.Round, Keys: lk.Keys, Hits: []bool{true}})
+		synctest.Wait()
+		got := step(cons, req, keys)
+		if got[0] == offload.Miss || stat(cons, "kv_offload_p2p_lookup_timeouts_total") != 0 {
+			t.Errorf("the lookup left at %v and was answered %v later: %v, %v lookup timeouts; want not timed out (its bound runs from when it left)",
+				left, time.Since(t0)-left, got[0], stat(cons, "kv_offload_p2p_lookup_timeouts_total"))
+		}
+		cons.m.Do(func(s *offload.Step) { s.OnRequestFinished(req) })
+	})
+}

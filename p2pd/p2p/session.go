@@ -229,6 +229,7 @@ func (t *Tier) established(pending *session, c net.Conn, sh shaken) {
 	t.redialed(s)
 	t.st.sessionsOpened++
 	t.log.Info("p2p: peer connected", "peer", s.peer, "addr", s.peerAddr, "dialed", s.dialed)
+	s.cons.Left(t.env.Now())
 	for _, m := range s.held {
 		t.sendNow(s, m)
 	}
@@ -246,6 +247,7 @@ func (t *Tier) start(s *session, cc *ctrlConn) {
 // handshake and their held messages) into the ready session of the same
 // peer: nothing was sent on its behalf yet, so nothing is lost.
 func (t *Tier) merge(s, pending *session) {
+	pending.cons.Left(t.env.Now()) // its held lookups leave on s now
 	collided := s.cons.Merge(pending.cons)
 	delete(t.consOf, pending.cons)
 	for _, m := range pending.held {

@@ -631,6 +631,7 @@ func (t *Tier) vready(s *session) {
 	t.redialed(s)
 	t.st.sessionsOpened++
 	t.log.Info("p2p: vLLM peer connected", "peer", s.peer, "dialed", s.dialed)
+	s.cons.Left(t.env.Now())
 	for _, m := range s.held {
 		t.sendNow(s, m)
 	}

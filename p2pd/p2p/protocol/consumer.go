@@ -284,6 +284,17 @@ func (c *Consumer) Ask(now time.Time) bool {
 	return sent
 }
 
+// Left says that the lookups asked before the session was ready (held
+// until its handshake ended) leave now: each one's lookup_timeout runs
+// from now (S6.10), not from when the engine asked.
+func (c *Consumer) Left(now time.Time) {
+	for _, r := range c.reqs {
+		for i := range r.lookups {
+			r.lookups[i].at = now
+		}
+	}
+}
+
 // ErrUnknownRound is an answer for a round this node never started: a
 // confused or hostile peer. It is a handler error, not at once a protocol
 // error (S8.2).
@@ -465,9 +476,15 @@ func (c *Consumer) Timeouts(now time.Time) time.Time {
 			due++
 		}
 		if due > 0 {
-			c.cs.Stats.LookupTimeouts += uint64(due)
+			unanswered := 0 // a later lookup answered whole waits behind an earlier one
+			for _, l := range r.lookups[:due] {
+				if l.left > 0 {
+					unanswered++
+				}
+			}
+			c.cs.Stats.LookupTimeouts += uint64(unanswered)
 			if c.cs.Log != nil {
-				c.cs.Log.Warn("p2p: lookup not answered in time; its keys miss", "peer", c.Peer, "kv_request_id", r.kvID, "lookups", due)
+				c.cs.Log.Warn("p2p: lookup not answered in time; its keys miss", "peer", c.Peer, "kv_request_id", r.kvID, "lookups", unanswered)
 			}
 			last := r.lookups[due-1].n
 			for k, v := range r.probes {

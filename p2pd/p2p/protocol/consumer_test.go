@@ -233,3 +233,27 @@ func TestConsumerEachLookupItsOwnBound(t *testing.T) {
 		}
 	}
 }
+
+// S6.10 "is counted" (found in review): a lookup answered in full does not
+// count as a timeout because an earlier lookup of the request, still
+// unanswered, times out in the same pass.
+func TestConsumerCountsOnlyUnansweredLookups(t *testing.T) {
+	cs, c := newCons() // lookup_timeout 7 s
+	t0 := time.Unix(1000, 0)
+	r := c.Add(&offload.Request{ID: "r"}, "kv")
+	r.Probe([]offload.Key{key(1)})
+	c.Ask(t0) // lookup 1: never answered
+	r.Probe([]offload.Key{key(2)})
+	c.Ask(t0.Add(time.Second)) // lookup 2: answered at once
+	c.Take()
+	if err := c.LookupResp(wire.LookupResp{ReqID: "kv", Round: r.round, Keys: []wire.Key{key(2)}, Hits: []bool{true}}); err != nil {
+		t.Fatal(err)
+	}
+	c.Timeouts(t0.Add(10 * time.Second)) // both are older than lookup_timeout
+	if r.Lookup(key(1)) != offload.Miss || r.Lookup(key(2)) != offload.Hit {
+		t.Fatalf("answers %v %v", r.Lookup(key(1)), r.Lookup(key(2)))
+	}
+	if cs.Stats.LookupTimeouts != 1 {
+		t.Errorf("%d lookup timeouts, want 1: only lookup 1 went unanswered", cs.Stats.LookupTimeouts)
+	}
+}
