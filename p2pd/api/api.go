@@ -81,9 +81,11 @@ type Status struct {
 	HashAlgo    string `json:"hash_algo"`
 	HashSeed    string `json:"hash_seed"`
 	// KVEvents is where vLLM-format KV events are published (empty: not),
-	// and KVEventsSubscribers how many subscribers follow them.
-	KVEvents            string `json:"kv_events,omitempty"`
-	KVEventsSubscribers int    `json:"kv_events_subscribers,omitempty"`
+	// KVEventsSubscribers how many subscribers follow them, and
+	// KVEventsAcceptErrors how often accepting one failed (retried).
+	KVEvents             string `json:"kv_events,omitempty"`
+	KVEventsSubscribers  int    `json:"kv_events_subscribers,omitempty"`
+	KVEventsAcceptErrors uint64 `json:"kv_events_accept_errors,omitempty"`
 }
 
 // KeysRequest is the body of POST /v0/keys: a prompt, as for a request.

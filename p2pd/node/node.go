@@ -355,6 +355,7 @@ func (n *Node) status(w http.ResponseWriter, r *http.Request) {
 	s.BlockBytes, s.BlockTokens, s.HashAlgo, s.HashSeed = n.M.BlockBytes(), cfg.Geometry.BlockTokens, cfg.HashAlgo, cfg.HashSeed
 	if n.vllm != nil {
 		s.KVEvents, s.KVEventsSubscribers = n.vllm.pub.Addr().String(), n.vllm.subscribers()
+		s.KVEventsAcceptErrors = n.vllm.pub.AcceptErrors()
 	}
 	reply(w, 200, s)
 }

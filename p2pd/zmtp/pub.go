@@ -23,10 +23,14 @@ type Publisher struct {
 	log *slog.Logger
 	wg  sync.WaitGroup
 
-	mu     sync.Mutex
-	closed bool
-	conns  map[net.Conn]struct{}    // every accepted connection, handshaking or not; shrinks as they end
-	subs   map[*subscriber]struct{} // shrinks as subscribers go
+	mu           sync.Mutex
+	closed       bool
+	done         chan struct{}            // closed by Close: ends the accept loop's backoff
+	conns        map[net.Conn]struct{}    // every accepted connection, handshaking or not; shrinks as they end
+	subs         map[*subscriber]struct{} // shrinks as subscribers go
+	acceptErrors uint64
+	lastLog      time.Time // the last accept failure logged
+	suppressed   int       // failures not logged since
 }
 
 type subscriber struct {
@@ -63,26 +67,72 @@ func Listen(addr string, hwm int, log *slog.Logger) (*Publisher, error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	p := &Publisher{ln: ln, hwm: max(hwm, 1), log: log, conns: map[net.Conn]struct{}{}, subs: map[*subscriber]struct{}{}}
+	p := newPublisher(ln, hwm, log)
 	p.wg.Go(p.accept)
 	return p, nil
+}
+
+func newPublisher(ln net.Listener, hwm int, log *slog.Logger) *Publisher {
+	return &Publisher{ln: ln, hwm: max(hwm, 1), log: log, done: make(chan struct{}), conns: map[net.Conn]struct{}{}, subs: map[*subscriber]struct{}{}}
 }
 
 // Addr is the bound address.
 func (p *Publisher) Addr() net.Addr { return p.ln.Addr() }
 
+// accept accepts subscribers until the publisher closes. Errors do not
+// stop it (S8.1): it retries with a backoff from 5 ms doubling to 1 s,
+// counts them (AcceptErrors) and logs at most one a minute with the
+// count of those not logged.
 func (p *Publisher) accept() {
+	var delay time.Duration
 	for {
 		c, err := p.ln.Accept()
-		if err != nil {
-			var ne net.Error
-			if errors.As(err, &ne) && ne.Timeout() {
-				continue
-			}
-			return // closed
+		if err == nil {
+			delay = 0
+			p.wg.Go(func() { p.serve(c) })
+			continue
 		}
-		p.wg.Go(func() { p.serve(c) })
+		select {
+		case <-p.done:
+			return
+		default:
+		}
+		if errors.Is(err, net.ErrClosed) {
+			p.log.Error("zmtp: the KV-events listener closed; no new subscribers are accepted", "err", err)
+			return
+		}
+		delay = min(max(2*delay, 5*time.Millisecond), time.Second)
+		p.acceptFailed(err, delay)
+		select {
+		case <-p.done:
+			return
+		case <-time.After(delay):
+		}
 	}
+}
+
+func (p *Publisher) acceptFailed(err error, delay time.Duration) {
+	p.mu.Lock()
+	p.acceptErrors++
+	n, now := p.acceptErrors, time.Now()
+	logIt := now.Sub(p.lastLog) >= time.Minute
+	sup := p.suppressed
+	if logIt {
+		p.lastLog, p.suppressed = now, 0
+	} else {
+		p.suppressed++
+	}
+	p.mu.Unlock()
+	if logIt {
+		p.log.Warn("zmtp: accepting a KV-events subscriber failed; retrying", "err", err, "retry_in", delay, "errors_total", n, "suppressed", sup)
+	}
+}
+
+// AcceptErrors counts the accept failures since Listen.
+func (p *Publisher) AcceptErrors() uint64 {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.acceptErrors
 }
 
 // serve runs one subscriber: the handshake, its subscriptions (read
@@ -227,6 +277,9 @@ func (p *Publisher) Subscribers() (n int, dropped uint64) {
 // goroutines.
 func (p *Publisher) Close() error {
 	p.mu.Lock()
+	if !p.closed {
+		close(p.done)
+	}
 	p.closed = true
 	for c := range p.conns {
 		c.Close()

@@ -1,8 +1,12 @@
 package zmtp
 
 import (
+	"log/slog"
 	"net"
+	"os"
 	"runtime"
+	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 )
@@ -103,4 +107,43 @@ func TestPublisherSubscriptionOnce(t *testing.T) {
 	z.WriteMessage([]byte("\x01a"))
 	z.WriteMessage([]byte("\x00a"))
 	waitSubs(0)
+}
+
+// failingOnce is a listener whose first Accept fails as accept(2) does
+// when the process is out of file descriptors (EMFILE).
+type failingOnce struct {
+	net.Listener
+	failed atomic.Bool
+}
+
+func (l *failingOnce) Accept() (net.Conn, error) {
+	if !l.failed.Swap(true) {
+		return nil, &net.OpError{Op: "accept", Net: "tcp", Addr: l.Addr(), Err: os.NewSyscallError("accept4", syscall.EMFILE)}
+	}
+	return l.Listener.Accept()
+}
+
+// S8.1 (found in review): an accept error does not stop the publisher
+// (one EMFILE stopped it for good, unlogged): it retries, counts, and the
+// next subscriber gets in.
+func TestPublisherSurvivesAcceptError(t *testing.T) {
+	inner, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := newPublisher(&failingOnce{Listener: inner}, 16, slog.New(slog.DiscardHandler))
+	p.wg.Go(p.accept)
+	defer p.Close()
+	c, err := net.Dial("tcp", inner.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(10 * time.Second))
+	if _, err := Handshake(c, Sub, nil, 1<<10); err != nil {
+		t.Fatalf("a subscriber after an accept error: %v (the publisher stopped accepting)", err)
+	}
+	if n := p.AcceptErrors(); n != 1 {
+		t.Errorf("%d accept errors counted, want 1", n)
+	}
 }
