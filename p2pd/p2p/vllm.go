@@ -571,8 +571,9 @@ func (t *Tier) vanswered(s *session, lr wire.LookupResp) uint64 {
 	return 0
 }
 
-// vforget drops asked[i] (answered, or the oldest beyond the bound) and
-// sends the lookup that waited for it, if any.
+// vforget drops asked[i], answered, and sends the lookup that waited for
+// it, if any: that one leaves now, and its lookup_timeout runs from now
+// (S6.10).
 func (t *Tier) vforget(s *session, i int) {
 	l := s.v.asked[i]
 	s.v.asked = slices.Delete(s.v.asked, i, i+1)
@@ -584,10 +585,21 @@ func (t *Tier) vforget(s *session, i int) {
 		m := s.v.waiting[j].m
 		s.v.waiting = slices.Delete(s.v.waiting, j, j+1)
 		if m.Round == s.cons.OpenRound(m.ReqID) { // else its round or request ended: dropped
+			s.cons.Sent(m, t.env.Now())
 			t.sendNow(s, m)
 			return
 		}
 	}
+}
+
+// vforgetOldest drops the oldest unanswered lookup, to keep asked within
+// vllmMaxAsked, and the lookups waiting for it: one sent now would take
+// the forgotten one's answer, if it came, for its own (G2's answers name
+// no round). Their keys miss at lookup_timeout.
+func (t *Tier) vforgetOldest(s *session) {
+	l := s.v.asked[0]
+	s.v.asked = slices.Delete(s.v.asked, 0, 1)
+	s.v.waiting = slices.DeleteFunc(s.v.waiting, func(w vwaiting) bool { return w.m.ReqID == l.kvID && w.sum == l.keys })
 }
 
 // vconnect takes the peer's connect: block_len and hash_seed must be this
@@ -654,14 +666,14 @@ func (t *Tier) vsend(s *session, m wire.Msg) {
 	if l, ok := m.(wire.Lookup); ok {
 		sum := keysDigest(l.Keys)
 		if slices.ContainsFunc(s.v.asked, func(a vlookup) bool { return a.kvID == l.ReqID && a.keys == sum }) {
-			if len(s.v.waiting) == vllmMaxAsked {
+			if len(s.v.waiting) >= vllmMaxAsked {
 				s.v.waiting = slices.Delete(s.v.waiting, 0, 1) // its keys miss at lookup_timeout
 			}
 			s.v.waiting = append(s.v.waiting, vwaiting{l, sum})
 			return
 		}
-		if len(s.v.asked) == vllmMaxAsked {
-			t.vforget(s, 0)
+		for len(s.v.asked) >= vllmMaxAsked {
+			t.vforgetOldest(s)
 		}
 		s.v.asked = append(s.v.asked, vlookup{kvID: l.ReqID, round: l.Round, keys: sum})
 	}

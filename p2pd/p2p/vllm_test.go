@@ -762,3 +762,165 @@ func TestVLLMPeerReconnects(t *testing.T) {
 		}
 	})
 }
+
+// S8.5 (found in review): asked stays within vllmMaxAsked. Its bound was
+// `len == vllmMaxAsked`: when the forgotten oldest lookup had one waiting
+// behind it, that one was sent (appended) before the new one was, asked
+// reached vllmMaxAsked+1 and the trim never ran again.
+func TestVLLMAskedStaysBounded(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		n, p, req, _ := vlinked(t, newZNet(), "mem", "vllm-x:7000")
+		keys := testKeys(21, 2)
+		a, b := keys[0], keys[1]
+		n.m.Do(func(s *offload.Step) { s.Lookup(a, req) })
+		la := p.expect(vllmwire.TypeLookup)
+		n.m.Do(func(s *offload.Step) { s.Lookup(b, req) })
+		p.expect(vllmwire.TypeLookup) // the peer holds it, never answers
+		p.send(vllmwire.Msg{Type: vllmwire.TypeLookupResp, KVRequestID: "kv", Keys: la.Keys, Hits: []bool{true}})
+		synctest.Wait()
+		n.m.Do(func(s *offload.Step) { s.Lookup(a, req) }) // fetch a: round N
+		f := p.expect(vllmwire.TypeFetch)
+		p.send(vllmwire.Msg{Type: vllmwire.TypeTransferDone, KVRequestID: "kv", RoundSeq: f.RoundSeq, Success: true})
+		synctest.Wait()
+		n.m.Do(func(s *offload.Step) { s.Lookup(b, req) }) // b again, round N+1: waits behind round N's lookup of b
+		synctest.Wait()
+		go func() { // the peer reads and answers nothing more
+			for {
+				if m := p.next(); m.Type == "" {
+					return
+				}
+			}
+		}()
+		req2 := &offload.Request{ID: "r2", TransferParams: source("kv2", p.id)}
+		n.m.Do(func(s *offload.Step) { s.OnNewRequest(req2) })
+		const extra = 1200
+		for _, k := range testKeys(22, extra) {
+			n.m.Do(func(s *offload.Step) { s.Lookup(k, req2) })
+		}
+		synctest.Wait()
+		asked := 0
+		n.m.Do(func(*offload.Step) {
+			for s := range n.tier.sessions {
+				if s.v != nil && !s.dead {
+					asked = len(s.v.asked)
+				}
+			}
+		})
+		if asked > vllmMaxAsked {
+			t.Errorf("%d unanswered lookups remembered after %d more were sent, want at most vllmMaxAsked (%d)", asked, extra, vllmMaxAsked)
+		}
+		n.m.Do(func(s *offload.Step) { s.OnRequestFinished(req); s.OnRequestFinished(req2) })
+	})
+}
+
+// S6.10 (found in review): a lookup held back on vLLM's wire (behind an
+// unanswered one of the same request and keys) starts its bound when it
+// leaves. It ran from the step that queued it: sent when the earlier
+// answer came at 4.9 s, it timed out at 7 s, 2.1 s after it left, though
+// the peer may hold it lookup_hold (5 s).
+func TestVLLMWaitingLookupBoundFromSend(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		mn := newZNet()
+		cfg := vllmConfig(32)
+		cfg.HitPendingTimeout = offload.Duration(time.Minute) // the manager's bound (S4.7) out of the way
+		// lookup_timeout: lookup_hold 5 s + 2 s
+		n := newNodeWith(t, mn, func(c *Config) { c.Dialect, c.DataPlane = DialectVLLM, "mem" }, cfg)
+		p := newVPeer(t, mn, "vllm-y:7000")
+		req := &offload.Request{ID: "r", TransferParams: source("kv", p.id)}
+		n.m.Do(func(s *offload.Step) { s.OnNewRequest(req) })
+		p.accept(n.tier.Addr())
+		p.expect(vllmwire.TypeConnect)
+		p.dial(n.tier.Addr())
+		p.send(p.connectMsg(n))
+		p.send(vllmwire.Msg{Type: vllmwire.TypeConnectAck, PeerID: p.id})
+		p.expect(vllmwire.TypeConnectAck)
+		synctest.Wait()
+
+		keys := testKeys(23, 2)
+		a, b := keys[0], keys[1]
+		n.m.Do(func(s *offload.Step) { s.Lookup(a, req) })
+		la := p.expect(vllmwire.TypeLookup)
+		n.m.Do(func(s *offload.Step) { s.Lookup(b, req) })
+		lb := p.expect(vllmwire.TypeLookup) // held by the peer (b being stored there)
+		p.send(vllmwire.Msg{Type: vllmwire.TypeLookupResp, KVRequestID: "kv", Keys: la.Keys, Hits: []bool{true}})
+		synctest.Wait()
+		n.m.Do(func(s *offload.Step) { s.Lookup(a, req) }) // fetch a: round N
+		f := p.expect(vllmwire.TypeFetch)
+		p.send(vllmwire.Msg{Type: vllmwire.TypeTransferDone, KVRequestID: "kv", RoundSeq: f.RoundSeq, Success: true})
+		synctest.Wait()
+		n.m.Do(func(s *offload.Step) { s.Lookup(b, req) }) // round N+1's lookup of b: held back
+		synctest.Wait()
+		time.Sleep(4900 * time.Millisecond)
+		p.send(vllmwire.Msg{Type: vllmwire.TypeLookupResp, KVRequestID: "kv", Keys: lb.Keys, Hits: []bool{true}}) // round N's, late
+		l2 := p.expect(vllmwire.TypeLookup)                                                                       // leaves now
+		left := time.Now()
+		time.Sleep(4 * time.Second) // the peer holds it 4 s, within its lookup_hold
+		p.send(vllmwire.Msg{Type: vllmwire.TypeLookupResp, KVRequestID: "kv", Keys: l2.Keys, Hits: []bool{true}})
+		synctest.Wait()
+		var got offload.Result
+		n.m.Do(func(s *offload.Step) { got = s.Lookup(b, req) })
+		if got == offload.Miss {
+			t.Errorf("b answered hit %v after its lookup left: miss; want its promotion (lookup_timeout is 7 s from when a lookup leaves)", time.Since(left))
+		}
+		n.m.Do(func(s *offload.Step) { s.OnRequestFinished(req) })
+	})
+}
+
+// Found in review: forgetting the oldest unanswered lookup (asked's
+// bound) sent the lookup waiting behind it (same request and keys, the
+// next round), so the forgotten one's answer, when it came, was taken for
+// the next round's: the late-answer mix-up TestVLLMLateLookupResp guards
+// against (a fetch in round N+1 of a key the peer pinned in round N,
+// which vLLM's producer fails). The waiting one is dropped with it.
+func TestVLLMForgottenAnswerNotTakenForNextRound(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		n, p, req, _ := vlinked(t, newZNet(), "mem", "vllm-z:7000")
+		keys := testKeys(24, 2)
+		a, b := keys[0], keys[1]
+		n.m.Do(func(s *offload.Step) { s.Lookup(a, req) })
+		la := p.expect(vllmwire.TypeLookup)
+		n.m.Do(func(s *offload.Step) { s.Lookup(b, req) })
+		lb := p.expect(vllmwire.TypeLookup) // round N's lookup of b: the peer holds it
+		p.send(vllmwire.Msg{Type: vllmwire.TypeLookupResp, KVRequestID: "kv", Keys: la.Keys, Hits: []bool{true}})
+		synctest.Wait()
+		n.m.Do(func(s *offload.Step) { s.Lookup(a, req) }) // fetch a: round N
+		f := p.expect(vllmwire.TypeFetch)
+		p.send(vllmwire.Msg{Type: vllmwire.TypeTransferDone, KVRequestID: "kv", RoundSeq: f.RoundSeq, Success: true})
+		synctest.Wait()
+		n.m.Do(func(s *offload.Step) { s.Lookup(b, req) }) // round N+1's lookup of b waits behind lb
+		synctest.Wait()
+		fetched := make(chan vllmwire.Msg, 16)
+		go func() { // a busy peer: lookups outstanding, none answered yet
+			for {
+				m := p.next()
+				switch {
+				case m.Type == "":
+					return
+				case m.Type == vllmwire.TypeFetch && m.KVRequestID == "kv" && len(m.Keys) > 0:
+					fetched <- m
+				}
+			}
+		}()
+		req2 := &offload.Request{ID: "r2", TransferParams: source("kv2", p.id)}
+		n.m.Do(func(s *offload.Step) { s.OnNewRequest(req2) })
+		for _, k := range testKeys(25, vllmMaxAsked) { // asked overflows: lb is forgotten
+			n.m.Do(func(s *offload.Step) { s.Lookup(k, req2) })
+		}
+		synctest.Wait()
+		// The peer now answers round N's lookup of b (hit: pinned in round N).
+		p.send(vllmwire.Msg{Type: vllmwire.TypeLookupResp, KVRequestID: "kv", Keys: lb.Keys, Hits: []bool{true}})
+		synctest.Wait()
+		var got offload.Result
+		n.m.Do(func(s *offload.Step) { got = s.Lookup(b, req) }) // the engine's next step
+		synctest.Wait()
+		select {
+		case m := <-fetched:
+			t.Errorf("the node fetched b in round %d, whose lookup of b the peer never answered, on its answer to round %d's (forgotten) lookup of b; b: %v", m.RoundSeq, lb.RoundSeq, got)
+		default:
+			if got == offload.Hit {
+				t.Errorf("b is a hit in round N+1 from round N's (forgotten) lookup's answer; want it unanswered")
+			}
+		}
+		n.m.Do(func(s *offload.Step) { s.OnRequestFinished(req); s.OnRequestFinished(req2) })
+	})
+}

@@ -70,6 +70,7 @@ type sentLookup struct {
 	n    uint32    // the request's count of lookups sent, this one included
 	at   time.Time // sent
 	left int       // its keys not answered yet
+	due  bool      // timed out (Timeouts)
 }
 
 // Req is a local request that fetches from the session's peer (S6.2).
@@ -227,6 +228,17 @@ func (r *Req) Probe(keys []offload.Key) {
 
 func (r *Req) waiting() bool { return r.asked > 0 }
 
+// lookupOf is the lookup that asked the pending key v (the zero one if
+// none is tracked: it cannot happen, lookups hold every pending key's).
+func (r *Req) lookupOf(v probe) sentLookup {
+	if len(r.lookups) > 0 {
+		if i := int(v.lookup) - int(r.lookups[0].n); i >= 0 && i < len(r.lookups) {
+			return r.lookups[i]
+		}
+	}
+	return sentLookup{}
+}
+
 // answer records the peer's answer for an asked key; an answer for a key
 // never asked (a confused or hostile peer) changes nothing. A lookup
 // whose keys are all answered stops being bounded (S6.10).
@@ -292,6 +304,23 @@ func (c *Consumer) Left(now time.Time) {
 		for i := range r.lookups {
 			r.lookups[i].at = now
 		}
+	}
+}
+
+// Sent says that lookup m, asked earlier and held back by the dialect
+// (vLLM's wire cannot have two lookups of one request and keys out at
+// once), leaves now: its lookup_timeout runs from now (S6.10).
+func (c *Consumer) Sent(m wire.Lookup, now time.Time) {
+	r := c.reqs[m.ReqID]
+	if r == nil || r.round != m.Round || len(m.Keys) == 0 || len(r.lookups) == 0 {
+		return
+	}
+	v := r.probes[offload.Key(m.Keys[0])]
+	if v.state != probePending {
+		return
+	}
+	if i := int(v.lookup) - int(r.lookups[0].n); i >= 0 && i < len(r.lookups) {
+		r.lookups[i].at = now
 	}
 }
 
@@ -469,33 +498,31 @@ func (c *Consumer) Timeouts(now time.Time) time.Time {
 	}
 	cfg := c.cs.Config
 	for _, r := range c.reqs {
-		// The lookups sent by now-LookupTimeout are a prefix (sent in
-		// order); each unanswered one times out, the later ones wait.
+		// Each unanswered lookup sent by now-LookupTimeout times out (one
+		// held back by the dialect and sent later has a later at).
 		due := 0
-		for due < len(r.lookups) && !now.Before(r.lookups[due].at.Add(cfg.LookupTimeout)) {
-			due++
+		for i := range r.lookups {
+			if l := &r.lookups[i]; l.left > 0 && !now.Before(l.at.Add(cfg.LookupTimeout)) {
+				l.due = true
+				due++
+			}
 		}
 		if due > 0 {
-			unanswered := 0 // a later lookup answered whole waits behind an earlier one
-			for _, l := range r.lookups[:due] {
-				if l.left > 0 {
-					unanswered++
-				}
-			}
-			c.cs.Stats.LookupTimeouts += uint64(unanswered)
+			c.cs.Stats.LookupTimeouts += uint64(due)
 			if c.cs.Log != nil {
-				c.cs.Log.Warn("p2p: lookup not answered in time; its keys miss", "peer", c.Peer, "kv_request_id", r.kvID, "lookups", unanswered)
+				c.cs.Log.Warn("p2p: lookup not answered in time; its keys miss", "peer", c.Peer, "kv_request_id", r.kvID, "lookups", due)
 			}
-			last := r.lookups[due-1].n
 			for k, v := range r.probes {
-				if v.state == probePending && v.lookup <= last {
+				if v.state == probePending && r.lookupOf(v).due {
 					r.answer(k, probeMiss)
 				}
 			}
 			c.emit(Progress{})
 		}
-		if len(r.lookups) > 0 {
-			soonest(r.lookups[0].at.Add(cfg.LookupTimeout))
+		for _, l := range r.lookups {
+			if l.left > 0 {
+				soonest(l.at.Add(cfg.LookupTimeout))
+			}
 		}
 	}
 	for round, l := range c.loads {

@@ -257,3 +257,25 @@ func TestConsumerCountsOnlyUnansweredLookups(t *testing.T) {
 		t.Errorf("%d lookup timeouts, want 1: only lookup 1 went unanswered", cs.Stats.LookupTimeouts)
 	}
 }
+
+// S6.10: a lookup the dialect held back and sent later (Sent) has its
+// bound from then; lookups sent before and after it still time out at
+// their own (the bounds are not in sending order any more).
+func TestConsumerHeldBackLookupBound(t *testing.T) {
+	cs, c := newCons() // lookup_timeout 7 s
+	t0 := time.Unix(1000, 0)
+	r := c.Add(&offload.Request{ID: "r"}, "kv")
+	for i := range 3 {
+		r.Probe([]offload.Key{key(byte(i + 1))})
+		c.Ask(t0.Add(time.Duration(i) * time.Second))
+	}
+	c.Take()
+	c.Sent(wire.Lookup{ReqID: "kv", Round: r.round, Keys: []wire.Key{key(2)}}, t0.Add(5*time.Second)) // the second leaves at 5 s
+	next := c.Timeouts(t0.Add(9 * time.Second))
+	if got, want := [3]offload.Result{r.Lookup(key(1)), r.Lookup(key(2)), r.Lookup(key(3))}, [3]offload.Result{offload.Miss, offload.Retry, offload.Miss}; got != want {
+		t.Errorf("at 9 s the keys answer %v, want %v", got, want)
+	}
+	if want := t0.Add(12 * time.Second); !next.Equal(want) || cs.Stats.LookupTimeouts != 2 {
+		t.Errorf("next deadline %v, %d timeouts; want %v (the held one's) and 2", next, cs.Stats.LookupTimeouts, want)
+	}
+}
