@@ -594,9 +594,21 @@ func isSyntaxError(err error) bool {
 	return errors.As(err, &se)
 }
 
+// requestSeq numbers the ids the node gives requests that name none.
 var requestSeq struct {
 	sync.Mutex
 	n uint64
+}
+
+// maxAutoIDs bounds the ids tried for a request that names none, should
+// clients have taken the next ones for their own requests.
+const maxAutoIDs = 64
+
+func nextRequestID() string {
+	requestSeq.Lock()
+	defer requestSeq.Unlock()
+	requestSeq.n++
+	return fmt.Sprintf("req-%d", requestSeq.n)
 }
 
 // readPrompt reads a request body (S8.3's bounds) and its prompt: the
@@ -667,17 +679,23 @@ func (n *Node) request(w http.ResponseWriter, r *http.Request) {
 		fail(w, 400, "request_id longer than 256 bytes")
 		return
 	}
-	if b.RequestID == "" {
-		requestSeq.Lock()
-		requestSeq.n++
-		b.RequestID = fmt.Sprintf("req-%d", requestSeq.n)
-		requestSeq.Unlock()
-	}
 	if _, _, err := p2p.ParseRemoteSource(b.TransferParams.m); err != nil {
 		fail(w, 400, "%v", err)
 		return
 	}
-	res, err := n.Eng.Submit(r.Context(), engine.Request{ID: b.RequestID, Tokens: tokens, TransferParams: b.TransferParams.m, Digest: b.Digest, FetchOnly: b.FetchOnly})
+	auto := b.RequestID == ""
+	var res api.Result
+	var err error
+	for range maxAutoIDs {
+		if auto {
+			b.RequestID = nextRequestID()
+		}
+		res, err = n.Eng.Submit(r.Context(), engine.Request{ID: b.RequestID, Tokens: tokens, TransferParams: b.TransferParams.m, Digest: b.Digest, FetchOnly: b.FetchOnly})
+		// A client's own request may hold the id the node gave: the next.
+		if !auto || !errors.Is(err, offload.ErrRequestExists) {
+			break
+		}
+	}
 	switch {
 	case err == nil:
 		n.sources.observe(res.Sources, res.Blocks)

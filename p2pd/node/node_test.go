@@ -449,3 +449,48 @@ func TestDisconnectedClientWithdrawsRequest(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// A request that names no id gets the next free one: a client's own
+// request holding the id the node would give (req-N) does not make it
+// fail (found in review: it answered 400, "request exists").
+func TestAutoIDSkipsTakenIDs(t *testing.T) {
+	cfg := testConfig(t.TempDir())
+	n, _ := startNode(t, cfg)
+	if err := n.Eng.Pause("wait", false, 10*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	requestSeq.Lock()
+	taken := fmt.Sprintf("req-%d", requestSeq.n+1) // the id the node gives next
+	requestSeq.Unlock()
+	post := func(body string) <-chan *httptest.ResponseRecorder {
+		c := make(chan *httptest.ResponseRecorder, 1)
+		go func() {
+			w := httptest.NewRecorder()
+			n.mux().ServeHTTP(w, httptest.NewRequest("POST", "/v0/requests", strings.NewReader(body)))
+			c <- w
+		}()
+		return c
+	}
+	waitQueued := func(want int) {
+		for deadline := time.Now().Add(5 * time.Second); ; runtime.Gosched() {
+			if _, w := n.Eng.Counts(); w == want {
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%d requests not queued", want)
+			}
+		}
+	}
+	own := post(`{"seed": 1, "tokens": 64, "request_id": "` + taken + `"}`)
+	waitQueued(1)
+	auto := post(`{"seed": 2, "tokens": 64}`)
+	waitQueued(2)
+	if err := n.Eng.Resume(); err != nil { // both start in one loop turn: the client's first
+		t.Fatal(err)
+	}
+	for name, c := range map[string]<-chan *httptest.ResponseRecorder{"the client's": own, "the unnamed": auto} {
+		if w := <-c; w.Code != 200 {
+			t.Errorf("%s request: %d %s, want 200", name, w.Code, w.Body.String())
+		}
+	}
+}
