@@ -1,7 +1,9 @@
 package offload
 
 import (
+	"encoding/binary"
 	"errors"
+	"fmt"
 	"math/rand/v2"
 	"slices"
 	"testing"
@@ -143,6 +145,109 @@ func TestLRUOrder(t *testing.T) {
 	got := p.Evict(2, func(k Key) bool { return k == ks[1] })
 	if !slices.Equal(got, []Key{ks[2], ks[3]}) {
 		t.Errorf("evicted %v, want keys 2 and 3", got)
+	}
+}
+
+// LRU, exactly: under random pins, uses, removals and evictions, Evict
+// takes the n least recently used evictable, unprotected keys, least
+// recent first — also the keys it set aside while they were pinned.
+func TestLRUExactOrder(t *testing.T) {
+	rng := rand.New(rand.NewPCG(5, 6))
+	p := newLRU()
+	ks := testKeys(64)
+	type state struct {
+		seq       int
+		evictable bool
+	}
+	model := map[Key]*state{} // the keys the policy orders
+	seq := 0
+	for step := range 50000 {
+		k := ks[rng.IntN(len(ks))]
+		s := model[k]
+		switch op := rng.IntN(7); {
+		case op == 6: // pin the least recent keys, as a peer's lease on old blocks does
+			var old []Key
+			for mk, ms := range model {
+				if ms.evictable {
+					old = append(old, mk)
+				}
+			}
+			slices.SortFunc(old, func(a, b Key) int { return model[a].seq - model[b].seq })
+			for _, ok := range old[:min(len(old), 8)] {
+				p.SetEvictable(ok, false)
+				model[ok].evictable = false
+			}
+		case op <= 1:
+			ev := rng.IntN(3) > 0
+			p.SetEvictable(k, ev)
+			switch {
+			case s == nil && ev:
+				seq++
+				model[k] = &state{seq: seq, evictable: true}
+			case s != nil:
+				s.evictable = ev
+			}
+		case op == 2 && s != nil:
+			p.Access(k)
+			seq++
+			s.seq = seq
+		case op == 3 && s != nil:
+			p.Remove(k)
+			delete(model, k)
+		case op >= 4:
+			n := 1 + rng.IntN(4)
+			prot := ks[rng.IntN(len(ks))]
+			var can []Key
+			for mk, ms := range model {
+				if ms.evictable && mk != prot {
+					can = append(can, mk)
+				}
+			}
+			slices.SortFunc(can, func(a, b Key) int { return model[a].seq - model[b].seq })
+			got := p.Evict(n, func(k Key) bool { return k == prot })
+			if len(can) < n {
+				if got != nil {
+					t.Fatalf("step %d: evicted %d with %d candidates", step, len(got), len(can))
+				}
+				continue
+			}
+			if !slices.Equal(got, can[:n]) {
+				t.Fatalf("step %d: evicted %v, want the least recent %v", step, got, can[:n])
+			}
+			for _, v := range got {
+				delete(model, v)
+			}
+		}
+	}
+}
+
+// Issue 12 (the eighth session's review): an Evict does not walk past the
+// pinned keys at the least recent end again and again.
+// It adds a key and evicts one, over 200,000 keys of which the oldest
+// pinned are pinned.
+func BenchmarkLRUEvictPinnedFront(b *testing.B) {
+	key := func(i int) (k Key) {
+		binary.LittleEndian.PutUint64(k[:], uint64(i))
+		return k
+	}
+	for _, pinned := range []int{0, 65536} {
+		b.Run(fmt.Sprintf("pinned=%d", pinned), func(b *testing.B) {
+			p := newLRU()
+			for i := range 200000 {
+				p.SetEvictable(key(i), true)
+				if i < pinned {
+					p.SetEvictable(key(i), false) // say by peers' leases
+				}
+			}
+			i := 200000
+			for b.Loop() {
+				p.SetEvictable(key(i), true)
+				i++
+				if p.Evict(1, nil) == nil {
+					b.Fatal("nothing evicted")
+				}
+			}
+		})
 	}
 }
 

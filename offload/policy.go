@@ -1,6 +1,7 @@
 package offload
 
 import (
+	"container/heap"
 	"container/list"
 	"fmt"
 )
@@ -41,61 +42,164 @@ func NewPolicy(name string, capacity int) (Policy, error) {
 // committed) and moves there on each use (Access). Becoming unevictable (a
 // pin) keeps its place: a read pin that records no use (a cascade's, a
 // lease's, a scrub's) leaves the order as it was: a scrub pins every
-// block, and would otherwise shuffle the order by its unpins. The cost:
-// Evict walks past the pinned keys at the least recent end, as ARC does
-// (many only while peers' leases hold old blocks).
+// block, and would otherwise shuffle the order by its unpins. A pinned key
+// that Evict meets is set aside (out of the order, keeping its place,
+// seq), and goes into back when it is evictable again, from where Evict
+// takes it in its turn: an Evict walks past no pinned key twice, where
+// it used to walk past every pinned key at the least recent end each time
+// (282 µs an Evict(1) with the 65,536 oldest of 200,000 keys pinned).
 type lru struct {
 	order *list.List // of *lruEntry, least recent first
-	elems map[Key]*list.Element
+	back  lruHeap    // set aside while pinned, evictable again: least recent first
+	elems map[Key]*lruEntry
+	seq   uint64 // the last place given
 }
 
 type lruEntry struct {
 	key       Key
+	seq       uint64 // its place in the use order
 	evictable bool
+	elem      *list.Element // in order; nil when set aside or in back
+	at        int           // its index in back; -1 when not there
 }
 
-func newLRU() *lru { return &lru{order: list.New(), elems: make(map[Key]*list.Element)} }
+// lruHeap is a min-heap of entries by seq (container/heap).
+type lruHeap []*lruEntry
+
+func (h lruHeap) Len() int           { return len(h) }
+func (h lruHeap) Less(i, j int) bool { return h[i].seq < h[j].seq }
+func (h lruHeap) Swap(i, j int) {
+	h[i], h[j] = h[j], h[i]
+	h[i].at, h[j].at = i, j
+}
+func (h *lruHeap) Push(x any) {
+	e := x.(*lruEntry)
+	e.at = len(*h)
+	*h = append(*h, e)
+}
+func (h *lruHeap) Pop() any {
+	old := *h
+	e := old[len(old)-1]
+	old[len(old)-1] = nil
+	*h = old[:len(old)-1]
+	e.at = -1
+	return e
+}
+
+func newLRU() *lru { return &lru{order: list.New(), elems: make(map[Key]*lruEntry)} }
 
 func (p *lru) Name() string { return "lru" }
 func (p *lru) Insert(Key)   {}
 
 func (p *lru) SetEvictable(k Key, evictable bool) {
-	if e, ok := p.elems[k]; ok {
-		e.Value.(*lruEntry).evictable = evictable
-	} else if evictable {
-		p.elems[k] = p.order.PushBack(&lruEntry{key: k, evictable: true})
+	e, ok := p.elems[k]
+	switch {
+	case !ok && evictable:
+		p.seq++
+		e = &lruEntry{key: k, seq: p.seq, evictable: true, at: -1}
+		e.elem = p.order.PushBack(e)
+		p.elems[k] = e
+	case !ok:
+	case evictable && e.elem == nil && e.at < 0: // set aside: back in its turn
+		e.evictable = true
+		heap.Push(&p.back, e)
+	case !evictable && e.at >= 0: // set aside again
+		heap.Remove(&p.back, e.at)
+		e.evictable = false
+	default:
+		e.evictable = evictable
+	}
+}
+
+// detach takes e out of the order or back.
+func (p *lru) detach(e *lruEntry) {
+	if e.elem != nil {
+		p.order.Remove(e.elem)
+		e.elem = nil
+	}
+	if e.at >= 0 {
+		heap.Remove(&p.back, e.at)
 	}
 }
 
 func (p *lru) Access(k Key) {
 	if e, ok := p.elems[k]; ok {
-		p.order.MoveToBack(e)
+		if e.elem != nil {
+			p.order.MoveToBack(e.elem)
+		} else {
+			p.detach(e)
+			e.elem = p.order.PushBack(e)
+		}
+		p.seq++
+		e.seq = p.seq
 	}
 }
 
 func (p *lru) Remove(k Key) {
 	if e, ok := p.elems[k]; ok {
-		p.order.Remove(e)
+		p.detach(e)
 		delete(p.elems, k)
 	}
 }
 
+// Evict takes the least recent of the order's and back's candidates, n
+// times; pinned keys it meets in the order are set aside on the way (that
+// changes no key's place), and if there are fewer than n it puts back
+// what it took and changes nothing else.
 func (p *lru) Evict(n int, protected func(Key) bool) []Key {
-	var victims []*list.Element
-	for e := p.order.Front(); e != nil && len(victims) < n; e = e.Next() {
-		le := e.Value.(*lruEntry)
-		if le.evictable && (protected == nil || !protected(le.key)) {
-			victims = append(victims, e)
+	var victims, skipped []*lruEntry // skipped: protected, taken off back
+	el := p.order.Front()
+	var next *lruEntry // the order's next candidate
+	for len(victims) < n {
+		for next == nil && el != nil {
+			e, after := el.Value.(*lruEntry), el.Next()
+			switch {
+			case !e.evictable:
+				p.order.Remove(el)
+				e.elem = nil
+			case protected == nil || !protected(e.key):
+				next = e
+			}
+			el = after
 		}
+		var top *lruEntry
+		for len(p.back) > 0 && top == nil {
+			if e := p.back[0]; protected == nil || !protected(e.key) {
+				top = e
+			} else {
+				skipped = append(skipped, heap.Pop(&p.back).(*lruEntry))
+			}
+		}
+		switch {
+		case top != nil && (next == nil || top.seq < next.seq):
+			victims = append(victims, heap.Pop(&p.back).(*lruEntry))
+		case next != nil:
+			victims, next = append(victims, next), nil
+		default: // fewer than n
+			for _, e := range victims {
+				if e.elem == nil {
+					heap.Push(&p.back, e)
+				}
+			}
+			victims = nil
+		}
+		if victims == nil {
+			break
+		}
+	}
+	for _, e := range skipped {
+		heap.Push(&p.back, e)
 	}
 	if len(victims) < n {
 		return nil
 	}
 	keys := make([]Key, len(victims))
 	for i, e := range victims {
-		keys[i] = e.Value.(*lruEntry).key
-		p.order.Remove(e)
-		delete(p.elems, keys[i])
+		keys[i] = e.key
+		if e.elem != nil {
+			p.order.Remove(e.elem)
+		}
+		delete(p.elems, e.key)
 	}
 	return keys
 }
