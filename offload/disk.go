@@ -66,10 +66,14 @@ func DiskTier(cfg DiskConfig) TierSpec {
 		New: func(env TierEnv) (Tier, error) { return OpenDisk(cfg, env) }}
 }
 
-// Block files: a 64-byte header, then the block.
+// Block files: a 64-byte header, then the block. The header: magic,
+// version, block length, key, CRC32C, and the first 8 bytes of the node's
+// config fingerprint (S1.1), so that a node restarted on the same
+// directory with another KV layout or key scheme of the same block size
+// never serves the old blocks as its own (version 1 files had none).
 const (
 	diskHeaderLen = 64
-	diskVersion   = 1
+	diskVersion   = 2
 	diskShards    = 256
 	tmpPrefix     = ".tmp-"
 )
@@ -82,15 +86,17 @@ var (
 // Disk is the disk tier: a directory of block files in 256 sharded
 // subdirectories, LRU-evicted under a byte cap. Files are written to a
 // temporary name and renamed; each carries a CRC32C verified on read. A
-// corrupt, truncated or missing file is a miss and is removed; a failed
-// write drops that block's store (S8.4). I/O runs on a bounded pool of
-// worker goroutines, which wake the poll goroutine when jobs finish.
+// corrupt, truncated, missing or unreadable file is a miss and is
+// removed; a failed write drops that block's store (S8.4). I/O runs on a
+// bounded pool of worker goroutines, which wake the poll goroutine when
+// jobs finish.
 type Disk struct {
 	dir        string
 	fsync      bool
 	blockBytes int
 	fileBytes  int64
 	capacity   int64
+	layout     [8]byte // the config fingerprint's first bytes, in every header
 	arena      *Arena
 	wake       func()
 	emit       func(Event) // nil until start-up is done
@@ -153,6 +159,9 @@ func OpenDisk(cfg DiskConfig, env TierEnv) (*Disk, error) {
 		log = slog.New(slog.DiscardHandler)
 	}
 	d := &Disk{dir: cfg.DiskDir, fsync: cfg.DiskFsync, blockBytes: env.Arena.SlotBytes(), arena: env.Arena, wake: env.Wake, log: log}
+	if fp, err := hex.DecodeString(env.Fingerprint); err == nil && len(fp) >= len(d.layout) {
+		copy(d.layout[:], fp)
+	}
 	d.fileBytes = int64(diskHeaderLen + d.blockBytes)
 	d.mu.work = sync.NewCond(&d.mu.Mutex)
 	d.mu.index = make(map[Key]*diskEntry)
@@ -220,12 +229,19 @@ func (d *Disk) rebuild() (int64, error) {
 			}
 			var k Key
 			info, err := e.Info()
-			n, _ := hex.Decode(k[:], []byte(e.Name()))
+			name := e.Name()
+			if len(name) == 2*KeySize {
+				if _, derr := hex.Decode(k[:], []byte(name)); derr != nil {
+					err = derr
+				}
+			}
 			switch {
-			case strings.HasPrefix(e.Name(), tmpPrefix):
+			case strings.HasPrefix(name, tmpPrefix):
 				d.log.Info("disk tier: removing a partial file", "path", p)
 				os.Remove(p)
-			case err != nil || n != KeySize || len(e.Name()) != 2*KeySize || int(k[0]) != i:
+			case err != nil || len(name) != 2*KeySize || name != hex.EncodeToString(k[:]) || int(k[0]) != i:
+				// Only the name write gives k: another spelling of it (upper
+				// case) would be a second file for one key.
 				d.log.Warn("disk tier: ignoring a file it did not write", "path", p)
 			case info.Size() != d.fileBytes:
 				d.log.Warn("disk tier: removing a block file of the wrong size", "path", p, "size", info.Size(), "want", d.fileBytes)
@@ -392,6 +408,7 @@ func (d *Disk) write(k Key, block []byte, crc uint32) error {
 	binary.LittleEndian.PutUint64(hdr[8:16], uint64(len(block)))
 	copy(hdr[16:48], k[:])
 	binary.LittleEndian.PutUint32(hdr[48:52], crc)
+	copy(hdr[52:60], d.layout[:])
 	final := d.path(k)
 	tmp := filepath.Join(filepath.Dir(final), fmt.Sprintf("%s%x-%d", tmpPrefix, k[:8], d.tmpSeq.Add(1)))
 	f, err := os.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o644)
@@ -437,13 +454,20 @@ func syncDirDefault(dir string) error {
 	return f.Sync()
 }
 
-// read loads one block into slot and verifies it.
+// read loads one block into slot and verifies it. It opens without
+// following a link and without blocking (a FIFO put in the file's place
+// would hang the worker), and reads only a regular file.
 func (d *Disk) read(k Key, slot []byte) (uint32, error) {
-	f, err := os.Open(d.path(k))
+	f, err := os.OpenFile(d.path(k), os.O_RDONLY|unix.O_NOFOLLOW|unix.O_NONBLOCK, 0)
 	if err != nil {
 		return 0, err
 	}
 	defer f.Close()
+	if fi, err := f.Stat(); err != nil {
+		return 0, err
+	} else if !fi.Mode().IsRegular() {
+		return 0, fmt.Errorf("%w: not a regular file (%v)", errCorrupt, fi.Mode().Type())
+	}
 	// Ask for the whole file at once rather than letting readahead ramp up
 	// from a small window on every file.
 	unix.Fadvise(int(f.Fd()), 0, 0, unix.FADV_WILLNEED)
@@ -458,6 +482,8 @@ func (d *Disk) read(k Key, slot []byte) (uint32, error) {
 		return 0, fmt.Errorf("%w: block length %d, want %d", errCorrupt, binary.LittleEndian.Uint64(hdr[8:16]), len(slot))
 	case !bytes.Equal(hdr[16:48], k[:]):
 		return 0, fmt.Errorf("%w: the file holds another key", errCorrupt)
+	case !bytes.Equal(hdr[52:60], d.layout[:]):
+		return 0, fmt.Errorf("%w: written under another config fingerprint (KV layout or key scheme)", errCorrupt)
 	}
 	if _, err := io.ReadFull(f, slot); err != nil {
 		return 0, fmt.Errorf("%w: body: %w", errCorrupt, err)
@@ -495,14 +521,16 @@ func (d *Disk) readDoneLocked(dj *diskJob, k Key, err error, took time.Duration)
 	}
 	if err != nil {
 		dj.ok = false
-		if errors.Is(err, errCorrupt) || errors.Is(err, fs.ErrNotExist) {
-			d.mu.st.corruptions++
-			d.log.Warn("disk tier: block unreadable; removed", "key", k, "err", err)
-			if e != nil && e.readers == 0 {
-				d.removeLocked(k)
-			}
-		} else {
-			d.log.Warn("disk tier: read failed", "key", k, "err", err)
+		if errors.Is(err, unix.EMFILE) || errors.Is(err, unix.ENFILE) {
+			d.log.Warn("disk tier: read failed; out of file descriptors", "key", k, "err", err)
+			return // the block is fine: a later lookup reads it
+		}
+		// Corrupt, missing, or unreadable (a permission, a link, an I/O
+		// error): kept, it would answer Hit and fail every promotion again.
+		d.mu.st.corruptions++
+		d.log.Warn("disk tier: block unreadable; removed", "key", k, "err", err)
+		if e != nil && e.readers == 0 {
+			d.removeLocked(k)
 		}
 		return
 	}
@@ -557,7 +585,7 @@ func (d *Disk) Stats() []Stat {
 		{"kv_offload_disk_write_bytes_total", "counter", "Block bytes written to disk.", float64(s.writeBytes), nil, nil},
 		{"kv_offload_disk_write_seconds_total", "counter", "Time disk workers spent writing blocks.", s.writeSeconds, nil, nil},
 		{"kv_offload_disk_evictions_total", "counter", "Blocks evicted from the disk tier to fit its cap.", float64(s.evictions), nil, nil},
-		{"kv_offload_disk_corruptions_total", "counter", "Block files found corrupt, truncated or missing on read, and removed.", float64(s.corruptions), nil, nil},
+		{"kv_offload_disk_corruptions_total", "counter", "Block files found corrupt, truncated, missing, unreadable or of another config fingerprint on read, and removed.", float64(s.corruptions), nil, nil},
 		{"kv_offload_disk_dropped_stores_total", "counter", "Block writes dropped because the disk failed (full, unwritable).", float64(s.droppedStores), nil, nil},
 	}
 }

@@ -3,7 +3,10 @@ package offload
 import (
 	"bytes"
 	"context"
+	"encoding/hex"
 	"errors"
+	"fmt"
+	"io/fs"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -11,6 +14,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // diskManager opens a manager with a tiny-geometry CPU tier of slots slots
@@ -348,5 +353,179 @@ func TestDiskDirSyncFailureLeavesNoFile(t *testing.T) {
 	})
 	if len(files) != 0 {
 		t.Errorf("files left after every store failed: %v", files)
+	}
+}
+
+// diskManagerGeom is diskManager with a geometry of the caller's; the
+// error is New's.
+func diskManagerGeom(t *testing.T, dir string, g Geometry, slots, capBlocks int) (*Manager, error) {
+	t.Helper()
+	cfg := DefaultConfig()
+	cfg.Geometry = g
+	cfg.CPUHugePages = false
+	cfg.CPUBytes = int64(slots * cfg.slotStride())
+	cfg.DiskDir = dir
+	cfg.DiskBytes = int64(capBlocks) * int64(diskHeaderLen+cfg.Geometry.BlockBytes())
+	cfg.DiskWorkers = 2
+	m, err := New(cfg, DiskTier(cfg.DiskConfig))
+	if err == nil {
+		t.Cleanup(func() { m.Close() })
+	}
+	return m, err
+}
+
+// S8.4 (found in review): a file whose name starts with a key's 64 hex
+// digits and goes on is one the tier did not write: ignored. Its decoding
+// ran past the key and failed the start.
+func TestDiskIgnoresLongHexName(t *testing.T) {
+	dir := t.TempDir()
+	k := testKeys(1)[0]
+	shard := filepath.Join(dir, hex.EncodeToString(k[:1]))
+	os.MkdirAll(shard, 0o755)
+	os.WriteFile(filepath.Join(shard, hex.EncodeToString(k[:])+"00"), []byte("not ours"), 0o644)
+	if _, err := diskManagerGeom(t, dir, Geometries["tiny"], 8, 16); err != nil {
+		t.Fatalf("a foreign file with a long hex name failed the start: %v", err)
+	}
+}
+
+// S8.4, S2.11 (found in review): a copy of a block file under the
+// upper-case spelling of its key's name is ignored. It was indexed as a
+// second file of the same key (used counted both, the LRU held two
+// elements for one entry), and the evictions that followed dereferenced
+// a missing entry in a disk worker: the process died.
+func TestDiskIgnoresOtherSpellingOfAKey(t *testing.T) {
+	dir := t.TempDir()
+	keys := testKeys(8)
+	m, err := diskManagerGeom(t, dir, Geometries["tiny"], 16, 16)
+	if err != nil {
+		t.Fatal(err)
+	}
+	storeBlocks(t, m, keys[:4])
+	m.Close()
+	lower := (&Disk{dir: dir}).path(keys[0])
+	upper := filepath.Join(filepath.Dir(lower), strings.ToUpper(filepath.Base(lower)))
+	b, err := os.ReadFile(lower)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(upper, b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	m2, err := diskManagerGeom(t, dir, Geometries["tiny"], 16, 5)
+	if err != nil {
+		t.Fatal(err)
+	}
+	file := float64(m2.mu.tiers[0].(*Disk).fileBytes)
+	if n, used := diskStat(m2, "kv_offload_disk_blocks"), diskStat(m2, "kv_offload_disk_used_bytes"); n != 4 || used != 4*file {
+		t.Fatalf("%v blocks in %v bytes, want 4 blocks in 4 files' bytes", n, used)
+	}
+	for _, k := range keys[4:] { // each store evicts one
+		storeBlocks(t, m2, []Key{k})
+	}
+	if _, err := os.Stat(upper); err != nil {
+		t.Errorf("the file the tier did not write: %v, want it left alone", err)
+	}
+}
+
+// S7.2, S1.1 (found in review): a node restarted on the same disk_dir
+// with another KV layout of the same block size (layers × kv_heads 2 × 2
+// become 4 × 1) does not serve the old blocks as its own: the header
+// carries the config fingerprint, and a block of another one misses (and
+// goes). Every CRC matched, so they were promoted.
+func TestDiskOtherLayoutMisses(t *testing.T) {
+	dir := t.TempDir()
+	keys := testKeys(3)
+	g1 := Geometries["tiny"]
+	m, err := diskManagerGeom(t, dir, g1, 8, 16)
+	if err != nil {
+		t.Fatal(err)
+	}
+	storeBlocks(t, m, keys)
+	m.Close()
+	g2 := g1
+	g2.Layers, g2.KVHeads = 2*g1.Layers, g1.KVHeads/2
+	if g2.BlockBytes() != g1.BlockBytes() || Fingerprint(g1, DefaultHashSeed, "") == Fingerprint(g2, DefaultHashSeed, "") {
+		t.Fatal("test setup: want the same block size and another fingerprint")
+	}
+	m2, err := diskManagerGeom(t, dir, g2, 8, 16)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := promote(t, m2, keys); !equalResults(got, Miss) {
+		t.Errorf("a node of layout %+v promoted %v from blocks written under layout %+v, want misses", g2, got, g1)
+	}
+	if n := diskStat(m2, "kv_offload_disk_blocks"); n != 0 {
+		t.Errorf("%v blocks of the other layout still indexed, want none", n)
+	}
+}
+
+// S8.4, S4.1 (found in review): a block file that cannot be opened for a
+// reason other than "not there" (a symlink loop here; a permission or an
+// I/O error alike) is dropped like a corrupt one. It stayed indexed, so
+// each lookup answered Hit and its promotion failed, again and again
+// until hit_pending_timeout, for every request (100,517 failed
+// promotions for two requests in a second).
+func TestDiskUnopenableFileMisses(t *testing.T) {
+	dir := t.TempDir()
+	m := diskManager(t, dir, 8, 64)
+	keys := testKeys(2)
+	storeBlocks(t, m, keys)
+	if err := m.ResetCache(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	p := m.mu.tiers[0].(*Disk).path(keys[0])
+	os.Remove(p)
+	if err := os.Symlink(filepath.Base(p), p); err != nil { // a loop: ELOOP
+		t.Fatal(err)
+	}
+	for i := range 2 {
+		req := &Request{ID: fmt.Sprint("reader-", i)}
+		m.Do(func(s *Step) { s.OnNewRequest(req) })
+		var r Result
+		waitUntil(t, m, "the lookup to settle", func() bool {
+			m.Do(func(s *Step) { r = s.Lookup(keys[0], req) })
+			return r == Hit || r == Miss
+		})
+		m.Do(func(s *Step) { s.OnRequestFinished(req) })
+		if r != Miss {
+			t.Errorf("request %d: %v, want a miss", i, r)
+		}
+	}
+	if n := m.Metrics().Tiers[1].PromotionFailures; n != 1 {
+		t.Errorf("%d failed promotions of one unreadable block, want 1", n)
+	}
+	if _, err := os.Lstat(p); !errors.Is(err, fs.ErrNotExist) {
+		t.Errorf("the unreadable file: %v, want it removed", err)
+	}
+}
+
+// S8.4 (found in review): a FIFO put in place of a block file does not
+// hang the worker that reads it (it blocked in open(2), and Close waited
+// for it for ever): the block misses and goes.
+func TestDiskFIFOInPlaceMisses(t *testing.T) {
+	dir := t.TempDir()
+	m := diskManager(t, dir, 8, 16)
+	keys := testKeys(1)
+	storeBlocks(t, m, keys)
+	if err := m.ResetCache(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	p := m.mu.tiers[0].(*Disk).path(keys[0])
+	os.Remove(p)
+	if err := unix.Mkfifo(p, 0o644); err != nil {
+		t.Skip("mkfifo:", err)
+	}
+	defer func() { // were the worker blocked in open, a writer lets it go
+		if f, err := os.OpenFile(p, os.O_WRONLY|unix.O_NONBLOCK, 0); err == nil {
+			f.Close()
+		}
+	}()
+	if got := promote(t, m, keys); !equalResults(got, Miss) {
+		t.Errorf("a FIFO in place of a block file: %v, want a miss", got)
+	}
+	// The read failed (rather than the manager's bound running out on a
+	// worker stuck in open): the block is gone from the index.
+	if n, c := diskStat(m, "kv_offload_disk_blocks"), diskStat(m, "kv_offload_disk_corruptions_total"); n != 0 || c != 1 {
+		t.Errorf("%v blocks indexed, %v found unreadable; want 0 and 1", n, c)
 	}
 }

@@ -132,7 +132,7 @@ func New(cfg Config, specs ...TierSpec) (*Manager, error) {
 	for i, s := range specs {
 		var t Tier
 		env := TierEnv{Index: i, Wake: m.wakeFor(i), WakeAt: m.tierWakeAt(i), Now: m.now, Progress: m.signalProgress, Emit: m.emitter(s.Name),
-			Arena: arena, Logger: log.With("tier", s.Name)}
+			Arena: arena, Logger: log.With("tier", s.Name), Fingerprint: cfg.Fingerprint()}
 		if perr := m.tierCall(i, "new", func() { t, err = s.New(env) }); perr != nil {
 			err = perr
 		}

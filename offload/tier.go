@@ -255,6 +255,9 @@ type TierEnv struct {
 	// slots. The tier must not touch slots it holds no job for.
 	Arena  *Arena
 	Logger *slog.Logger
+	// Fingerprint is the node's config fingerprint (S1.1: KV layout, key
+	// scheme, seed), for a tier that keeps blocks across restarts.
+	Fingerprint string
 }
 
 // TierSpec configures one secondary tier of a manager.
