@@ -197,6 +197,9 @@ func (p *NIXLPlane) AddPeer(peer, _ string, info []byte) error {
 	if size != p.arena.SlotBytes() || stride < size {
 		return fmt.Errorf("p2p: nixl: the peer's slots hold %d bytes %d apart, ours %d", size, stride, p.arena.SlotBytes())
 	}
+	if slots < 1 || slots > vllmMaxBlocks { // a descriptor each is prepared, under the manager lock (S8.1)
+		return fmt.Errorf("p2p: nixl: the peer claims %d slots, at most %d", slots, vllmMaxBlocks)
+	}
 	errc := make(chan error, 1)
 	if !p.run(func() { errc <- p.addPeer(peer, info[nixlInfoLen:], base, stride, size, slots) }) {
 		return net.ErrClosed
@@ -214,6 +217,13 @@ func (p *NIXLPlane) addPeer(peer string, md []byte, base uintptr, stride, size, 
 	}
 	p.mu.Lock()
 	owner, taken := p.byAgent[meta.Agent]
+	if !taken { // a removed peer's agent is its own until its drain ends
+		for _, l := range p.leaving {
+			if l.np.agent == meta.Agent {
+				owner, taken = l.peer, true
+			}
+		}
+	}
 	p.mu.Unlock()
 	switch {
 	case meta.Agent == p.name:
@@ -277,7 +287,7 @@ func (p *NIXLPlane) dropPeer(peer string, np *nixlPeer, done func()) {
 			fail = append(fail, e.done)
 		}
 	}
-	l := &nixlLeaving{np: np, until: time.Now().Add(p.drain), expected: len(fail) > 0, done: done}
+	l := &nixlLeaving{peer: peer, np: np, until: time.Now().Add(p.drain), expected: len(fail) > 0, done: done}
 	for k, w := range p.writes {
 		if k.peer == peer {
 			delete(p.writes, k)
@@ -296,6 +306,7 @@ func (p *NIXLPlane) dropPeer(peer string, np *nixlPeer, done func()) {
 
 // nixlLeaving is a removed peer whose transfers may still be in flight.
 type nixlLeaving struct {
+	peer     string
 	np       *nixlPeer
 	writes   []*nixlWrite // already reported; their requests not yet released
 	until    time.Time    // the drain's end
@@ -350,6 +361,13 @@ func (p *NIXLPlane) write(peer string, round uint64, pairs []SlotPair, done func
 	}
 	if len(pairs) == 0 {
 		done(nil)
+		return
+	}
+	p.mu.Lock()
+	_, busy := p.writes[roundKey{peer, round}]
+	p.mu.Unlock()
+	if busy { // a confused consumer's two fetches of one round: one write a round
+		done(fmt.Errorf("p2p: nixl: round %d to %s is being written already", round, peer))
 		return
 	}
 	lidx, ridx := make([]int32, len(pairs)), make([]int32, len(pairs))

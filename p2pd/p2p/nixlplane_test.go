@@ -4,8 +4,10 @@ package p2p
 
 import (
 	"bytes"
+	"encoding/binary"
 	"errors"
 	"log/slog"
+	"strings"
 	"testing"
 	"time"
 
@@ -196,5 +198,66 @@ func TestNIXLUnexpectWaitsForTheCheck(t *testing.T) {
 	wait(t, drained, "Unexpect's done")
 	if n := b.crcErrors.Load(); n != 0 {
 		t.Errorf("crc errors %d, want 0", n)
+	}
+}
+
+// A removed peer's agent is its own until its drain ends (found in
+// review): another peer's metadata naming it in that window is refused
+// like one naming a live peer's. It got past the check, NIXL failed to
+// load it and erased the agent's state without disconnecting, and the
+// removed peer coming back (same process) was refused until a restart.
+func TestNIXLLeavingAgentNameRefused(t *testing.T) {
+	a, b := nixlPair(t, 4, 5000)
+	ainfo := a.LocalInfo()
+	b.Expect("node-a", 1, []uint32{0}, func(error) {}) // a round from a outstanding: its removal drains
+	removed := make(chan struct{})
+	b.RemovePeer("node-a", func() { close(removed) })
+	if err := b.AddPeer("node-c", "", ainfo); err == nil || !strings.Contains(err.Error(), "peer node-a's") {
+		t.Errorf("node-c's metadata naming node-a's agent while node-a drains: %v, want refused as node-a's", err)
+	}
+	wait(t, removed, "RemovePeer(node-a)")
+	if err := b.AddPeer("node-a", "", ainfo); err != nil {
+		t.Fatalf("node-a coming back (same process): %v", err)
+	}
+	expected, written := make(chan error, 1), make(chan error, 1)
+	a.Expect("node-b", 2, []uint32{1}, func(err error) { expected <- err })
+	b.Write("node-a", 2, []SlotPair{{Local: 0, Remote: 1}}, func(err error) { written <- err })
+	if err := wait(t, written, "write"); err != nil {
+		t.Errorf("write to node-a: %v", err)
+	}
+	if err := wait(t, expected, "expect"); err != nil {
+		t.Errorf("round at node-a: %v", err)
+	}
+}
+
+// One write a (peer, round) (found in review): a second while the first
+// is in flight (a confused consumer fetching two requests' rounds of one
+// number) fails at once. It overwrote the first, whose request was then
+// never polled nor released and whose done never ran.
+func TestNIXLSecondWriteOfARoundFails(t *testing.T) {
+	const slotBytes = 512 << 10 // large enough that Post does not complete at once
+	a, b := nixlPair(t, 8, slotBytes)
+	d1, d2 := make(chan error, 1), make(chan error, 1)
+	a.Write("node-b", 5, []SlotPair{{Local: 0, Remote: 0}, {Local: 1, Remote: 1}, {Local: 2, Remote: 2}}, func(err error) { d1 <- err })
+	a.Write("node-b", 5, []SlotPair{{Local: 3, Remote: 3}, {Local: 4, Remote: 4}, {Local: 5, Remote: 5}}, func(err error) { d2 <- err })
+	b.Expect("node-a", 999, []uint32{7}, func(error) {}) // b drives progress
+	defer b.Unexpect("node-a", 999, func() {})
+	if err := wait(t, d2, "the second write"); err == nil || !strings.Contains(err.Error(), "being written already") {
+		t.Errorf("the second write of round 5: %v, want refused", err)
+	}
+	if err := wait(t, d1, "the first write"); err != nil {
+		t.Errorf("the first write of round 5: %v", err)
+	}
+}
+
+// S8.1 (found in review): a native peer's slot count is bounded as a vLLM
+// peer's num_blocks is (vllmMaxBlocks): AddPeer prepares a descriptor for
+// each under the manager lock (16 Mi took 975 ms and 377 MiB).
+func TestNIXLPeerSlotsBounded(t *testing.T) {
+	a, b := nixlPair(t, 4, 4096)
+	info := append([]byte(nil), a.LocalInfo()...)
+	binary.LittleEndian.PutUint32(info[24:], vllmMaxBlocks+1)
+	if err := b.AddPeer("node-a", "", info); err == nil || !strings.Contains(err.Error(), "at most") {
+		t.Errorf("a peer claiming %d slots: %v, want refused", vllmMaxBlocks+1, err)
 	}
 }
