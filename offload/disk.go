@@ -240,8 +240,8 @@ func (d *Disk) rebuild() (int64, error) {
 				d.log.Info("disk tier: removing a partial file", "path", p)
 				os.Remove(p)
 			case err != nil || len(name) != 2*KeySize || name != hex.EncodeToString(k[:]) || int(k[0]) != i:
-				// Only the name write gives k: another spelling of it (upper
-				// case) would be a second file for one key.
+				// Only the name write gives k counts: another spelling of
+				// it (upper case) would be a second file of one key.
 				d.log.Warn("disk tier: ignoring a file it did not write", "path", p)
 			case info.Size() != d.fileBytes:
 				d.log.Warn("disk tier: removing a block file of the wrong size", "path", p, "size", info.Size(), "want", d.fileBytes)
