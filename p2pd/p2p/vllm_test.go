@@ -771,19 +771,8 @@ func TestVLLMAskedStaysBounded(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		n, p, req, _ := vlinked(t, newZNet(), "mem", "vllm-x:7000")
 		keys := testKeys(21, 2)
-		a, b := keys[0], keys[1]
-		n.m.Do(func(s *offload.Step) { s.Lookup(a, req) })
-		la := p.expect(vllmwire.TypeLookup)
-		n.m.Do(func(s *offload.Step) { s.Lookup(b, req) })
-		p.expect(vllmwire.TypeLookup) // the peer holds it, never answers
-		p.send(vllmwire.Msg{Type: vllmwire.TypeLookupResp, KVRequestID: "kv", Keys: la.Keys, Hits: []bool{true}})
-		synctest.Wait()
-		n.m.Do(func(s *offload.Step) { s.Lookup(a, req) }) // fetch a: round N
-		f := p.expect(vllmwire.TypeFetch)
-		p.send(vllmwire.Msg{Type: vllmwire.TypeTransferDone, KVRequestID: "kv", RoundSeq: f.RoundSeq, Success: true})
-		synctest.Wait()
-		n.m.Do(func(s *offload.Step) { s.Lookup(b, req) }) // b again, round N+1: waits behind round N's lookup of b
-		synctest.Wait()
+		b := keys[1]
+		vlookupBehind(t, n, p, req, keys[0], b)
 		go func() { // the peer reads and answers nothing more
 			for {
 				if m := p.next(); m.Type == "" {
@@ -837,19 +826,8 @@ func TestVLLMWaitingLookupBoundFromSend(t *testing.T) {
 		synctest.Wait()
 
 		keys := testKeys(23, 2)
-		a, b := keys[0], keys[1]
-		n.m.Do(func(s *offload.Step) { s.Lookup(a, req) })
-		la := p.expect(vllmwire.TypeLookup)
-		n.m.Do(func(s *offload.Step) { s.Lookup(b, req) })
-		lb := p.expect(vllmwire.TypeLookup) // held by the peer (b being stored there)
-		p.send(vllmwire.Msg{Type: vllmwire.TypeLookupResp, KVRequestID: "kv", Keys: la.Keys, Hits: []bool{true}})
-		synctest.Wait()
-		n.m.Do(func(s *offload.Step) { s.Lookup(a, req) }) // fetch a: round N
-		f := p.expect(vllmwire.TypeFetch)
-		p.send(vllmwire.Msg{Type: vllmwire.TypeTransferDone, KVRequestID: "kv", RoundSeq: f.RoundSeq, Success: true})
-		synctest.Wait()
-		n.m.Do(func(s *offload.Step) { s.Lookup(b, req) }) // round N+1's lookup of b: held back
-		synctest.Wait()
+		b := keys[1]
+		lb := vlookupBehind(t, n, p, req, keys[0], b)
 		time.Sleep(4900 * time.Millisecond)
 		p.send(vllmwire.Msg{Type: vllmwire.TypeLookupResp, KVRequestID: "kv", Keys: lb.Keys, Hits: []bool{true}}) // round N's, late
 		l2 := p.expect(vllmwire.TypeLookup)                                                                       // leaves now
@@ -876,19 +854,8 @@ func TestVLLMForgottenAnswerNotTakenForNextRound(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		n, p, req, _ := vlinked(t, newZNet(), "mem", "vllm-z:7000")
 		keys := testKeys(24, 2)
-		a, b := keys[0], keys[1]
-		n.m.Do(func(s *offload.Step) { s.Lookup(a, req) })
-		la := p.expect(vllmwire.TypeLookup)
-		n.m.Do(func(s *offload.Step) { s.Lookup(b, req) })
-		lb := p.expect(vllmwire.TypeLookup) // round N's lookup of b: the peer holds it
-		p.send(vllmwire.Msg{Type: vllmwire.TypeLookupResp, KVRequestID: "kv", Keys: la.Keys, Hits: []bool{true}})
-		synctest.Wait()
-		n.m.Do(func(s *offload.Step) { s.Lookup(a, req) }) // fetch a: round N
-		f := p.expect(vllmwire.TypeFetch)
-		p.send(vllmwire.Msg{Type: vllmwire.TypeTransferDone, KVRequestID: "kv", RoundSeq: f.RoundSeq, Success: true})
-		synctest.Wait()
-		n.m.Do(func(s *offload.Step) { s.Lookup(b, req) }) // round N+1's lookup of b waits behind lb
-		synctest.Wait()
+		b := keys[1]
+		lb := vlookupBehind(t, n, p, req, keys[0], b)
 		fetched := make(chan vllmwire.Msg, 16)
 		go func() { // a busy peer: lookups outstanding, none answered yet
 			for {
@@ -923,4 +890,25 @@ func TestVLLMForgottenAnswerNotTakenForNextRound(t *testing.T) {
 		}
 		n.m.Do(func(s *offload.Step) { s.OnRequestFinished(req); s.OnRequestFinished(req2) })
 	})
+}
+
+// vlookupBehind makes req's second lookup of b wait on vLLM's wire: a and
+// b are looked up, the peer answers a (hit) and holds b's lookup (lb, the
+// result), a is fetched (round N), and b is looked up again in round N+1,
+// which waits behind lb (same request and keys).
+func vlookupBehind(t *testing.T, n *node, p *vpeer, req *offload.Request, a, b offload.Key) (lb vllmwire.Msg) {
+	t.Helper()
+	n.m.Do(func(s *offload.Step) { s.Lookup(a, req) })
+	la := p.expect(vllmwire.TypeLookup)
+	n.m.Do(func(s *offload.Step) { s.Lookup(b, req) })
+	lb = p.expect(vllmwire.TypeLookup)
+	p.send(vllmwire.Msg{Type: vllmwire.TypeLookupResp, KVRequestID: "kv", Keys: la.Keys, Hits: []bool{true}})
+	synctest.Wait()
+	n.m.Do(func(s *offload.Step) { s.Lookup(a, req) }) // fetch a: round N
+	f := p.expect(vllmwire.TypeFetch)
+	p.send(vllmwire.Msg{Type: vllmwire.TypeTransferDone, KVRequestID: "kv", RoundSeq: f.RoundSeq, Success: true})
+	synctest.Wait()
+	n.m.Do(func(s *offload.Step) { s.Lookup(b, req) })
+	synctest.Wait()
+	return lb
 }
