@@ -42,6 +42,7 @@ type Node struct {
 	quit    chan struct{}
 	stop    chan time.Duration // shutdown requested through the API, with its grace
 	sources sourceStats
+	ids     requestIDs
 	once    sync.Once
 }
 
@@ -594,21 +595,38 @@ func isSyntaxError(err error) bool {
 	return errors.As(err, &se)
 }
 
-// requestSeq numbers the ids the node gives requests that name none.
-var requestSeq struct {
-	sync.Mutex
-	n uint64
+// requestIDs are the ids of the requests the admin API serves, and the
+// count behind the ids it gives requests that name none.
+type requestIDs struct {
+	mu    sync.Mutex
+	n     uint64
+	inUse map[string]int // by id, how many requests hold it; shrinks as they end
 }
 
-// maxAutoIDs bounds the ids tried for a request that names none, should
-// clients have taken the next ones for their own requests.
-const maxAutoIDs = 64
+// hold marks id in use until release; for "" it is the next req-N that no
+// request the API serves holds (a client may name its own req-N).
+func (r *requestIDs) hold(id string) string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.inUse == nil {
+		r.inUse = map[string]int{}
+	}
+	for id == "" {
+		r.n++
+		if c := fmt.Sprintf("req-%d", r.n); r.inUse[c] == 0 {
+			id = c
+		}
+	}
+	r.inUse[id]++
+	return id
+}
 
-func nextRequestID() string {
-	requestSeq.Lock()
-	defer requestSeq.Unlock()
-	requestSeq.n++
-	return fmt.Sprintf("req-%d", requestSeq.n)
+func (r *requestIDs) release(id string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.inUse[id]--; r.inUse[id] <= 0 {
+		delete(r.inUse, id)
+	}
 }
 
 // readPrompt reads a request body (S8.3's bounds) and its prompt: the
@@ -683,19 +701,9 @@ func (n *Node) request(w http.ResponseWriter, r *http.Request) {
 		fail(w, 400, "%v", err)
 		return
 	}
-	auto := b.RequestID == ""
-	var res api.Result
-	var err error
-	for range maxAutoIDs {
-		if auto {
-			b.RequestID = nextRequestID()
-		}
-		res, err = n.Eng.Submit(r.Context(), engine.Request{ID: b.RequestID, Tokens: tokens, TransferParams: b.TransferParams.m, Digest: b.Digest, FetchOnly: b.FetchOnly})
-		// A client's own request may hold the id the node gave: the next.
-		if !auto || !errors.Is(err, offload.ErrRequestExists) {
-			break
-		}
-	}
+	b.RequestID = n.ids.hold(b.RequestID)
+	defer n.ids.release(b.RequestID)
+	res, err := n.Eng.Submit(r.Context(), engine.Request{ID: b.RequestID, Tokens: tokens, TransferParams: b.TransferParams.m, Digest: b.Digest, FetchOnly: b.FetchOnly})
 	switch {
 	case err == nil:
 		n.sources.observe(res.Sources, res.Blocks)

@@ -459,9 +459,9 @@ func TestAutoIDSkipsTakenIDs(t *testing.T) {
 	if err := n.Eng.Pause("wait", false, 10*time.Second); err != nil {
 		t.Fatal(err)
 	}
-	requestSeq.Lock()
-	taken := fmt.Sprintf("req-%d", requestSeq.n+1) // the id the node gives next
-	requestSeq.Unlock()
+	n.ids.mu.Lock()
+	taken := fmt.Sprintf("req-%d", n.ids.n+1) // the id the node gives next
+	n.ids.mu.Unlock()
 	post := func(body string) <-chan *httptest.ResponseRecorder {
 		c := make(chan *httptest.ResponseRecorder, 1)
 		go func() {
@@ -492,5 +492,13 @@ func TestAutoIDSkipsTakenIDs(t *testing.T) {
 		if w := <-c; w.Code != 200 {
 			t.Errorf("%s request: %d %s, want 200", name, w.Code, w.Body.String())
 		}
+	}
+	if m := n.M.Metrics(); m.Errors["request_exists"] != 0 {
+		t.Errorf("%d requests refused as existing, want none (nobody misused the API)", m.Errors["request_exists"])
+	}
+	n.ids.mu.Lock()
+	defer n.ids.mu.Unlock()
+	if len(n.ids.inUse) != 0 {
+		t.Errorf("ids still held after both requests ended: %v", n.ids.inUse)
 	}
 }
