@@ -122,7 +122,15 @@ type Disk struct {
 type diskEntry struct {
 	elem    *list.Element
 	readers int
+	// retryAt: the process was out of file descriptors when it was last
+	// read; until then the block answers Miss (fdRetry).
+	retryAt time.Time
 }
+
+// fdRetry is how long a block that could not be opened for want of file
+// descriptors answers Miss: each lookup would otherwise promote it and
+// fail at once, as fast as the engine steps.
+const fdRetry = time.Second
 
 type diskJob struct {
 	job       *Job
@@ -264,7 +272,7 @@ func (d *Disk) rebuild() (int64, error) {
 func (d *Disk) Lookup(k Key, _ *Request) Result {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	if _, ok := d.mu.index[k]; ok {
+	if e, ok := d.mu.index[k]; ok && (e.retryAt.IsZero() || !time.Now().Before(e.retryAt)) {
 		return Hit
 	}
 	return Miss
@@ -445,6 +453,12 @@ func (d *Disk) write(k Key, block []byte, crc uint32) error {
 // test can make it fail.
 var syncDir = syncDirDefault
 
+// openBlock opens a block file to read. A variable so a test can make it
+// fail.
+var openBlock = func(path string) (*os.File, error) {
+	return os.OpenFile(path, os.O_RDONLY|unix.O_NOFOLLOW|unix.O_NONBLOCK, 0)
+}
+
 func syncDirDefault(dir string) error {
 	f, err := os.Open(dir)
 	if err != nil {
@@ -458,7 +472,7 @@ func syncDirDefault(dir string) error {
 // following a link and without blocking (a FIFO put in the file's place
 // would hang the worker), and reads only a regular file.
 func (d *Disk) read(k Key, slot []byte) (uint32, error) {
-	f, err := os.OpenFile(d.path(k), os.O_RDONLY|unix.O_NOFOLLOW|unix.O_NONBLOCK, 0)
+	f, err := openBlock(d.path(k))
 	if err != nil {
 		return 0, err
 	}
@@ -522,8 +536,11 @@ func (d *Disk) readDoneLocked(dj *diskJob, k Key, err error, took time.Duration)
 	if err != nil {
 		dj.ok = false
 		if errors.Is(err, unix.EMFILE) || errors.Is(err, unix.ENFILE) {
-			d.log.Warn("disk tier: read failed; out of file descriptors", "key", k, "err", err)
-			return // the block is fine: a later lookup reads it
+			if e != nil {
+				e.retryAt = time.Now().Add(fdRetry) // the block is fine: read it later
+			}
+			d.log.Warn("disk tier: read failed; out of file descriptors", "key", k, "err", err, "miss_for", fdRetry)
+			return
 		}
 		// Corrupt, missing, or unreadable (a permission, a link, an I/O
 		// error): kept, it would answer Hit and fail every promotion again.

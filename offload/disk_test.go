@@ -529,3 +529,44 @@ func TestDiskFIFOInPlaceMisses(t *testing.T) {
 		t.Errorf("%v blocks indexed, %v found unreadable; want 0 and 1", n, c)
 	}
 }
+
+// S8.4 (found in review): a block the process could not open for want of
+// file descriptors stays (it is fine) but answers Miss for fdRetry. It
+// answered Hit at once again, and each lookup promoted it and failed, as
+// fast as the engine stepped (35,466 failed promotions in 300 ms).
+func TestDiskOutOfFDsBacksOff(t *testing.T) {
+	m := diskManager(t, t.TempDir(), 8, 64)
+	keys := testKeys(1)
+	storeBlocks(t, m, keys)
+	if err := m.ResetCache(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	defer func(f func(string) (*os.File, error)) { openBlock = f }(openBlock)
+	openBlock = func(path string) (*os.File, error) {
+		return nil, &fs.PathError{Op: "open", Path: path, Err: unix.EMFILE}
+	}
+	req := &Request{ID: "reader"}
+	m.Do(func(s *Step) { s.OnNewRequest(req) })
+	defer m.Do(func(s *Step) { s.OnRequestFinished(req) })
+	var r Result
+	waitUntil(t, m, "the lookup to settle", func() bool {
+		m.Do(func(s *Step) { r = s.Lookup(keys[0], req) })
+		return r == Hit || r == Miss
+	})
+	for range 100 { // as an engine stepping on its progress signal
+		m.Do(func(s *Step) { r = s.Lookup(keys[0], req) })
+	}
+	if n := m.Metrics().Tiers[1].PromotionFailures; r != Miss || n != 1 {
+		t.Errorf("out of fds: the block answers %v after %d failed promotions, want miss after 1", r, n)
+	}
+	if n := diskStat(m, "kv_offload_disk_blocks"); n != 1 {
+		t.Errorf("%v blocks indexed, want the block kept", n)
+	}
+	d := m.mu.tiers[0].(*Disk)
+	d.mu.Lock()
+	d.mu.index[keys[0]].retryAt = time.Now().Add(-time.Second) // fdRetry passed
+	d.mu.Unlock()
+	if got := d.Lookup(keys[0], req); got != Hit {
+		t.Errorf("after fdRetry the block answers %v, want hit", got)
+	}
+}
