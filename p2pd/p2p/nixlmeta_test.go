@@ -4,6 +4,8 @@ import (
 	"encoding/binary"
 	"errors"
 	"testing"
+
+	"github.com/kvtier/kvtier/offload"
 )
 
 // metaBlob builds NIXL agent metadata the way NIXL's serializer lays it
@@ -79,4 +81,16 @@ func FuzzCheckNIXLMeta(f *testing.F) {
 			t.Fatalf("accepted agent %q", m.Agent)
 		}
 	})
+}
+
+// A node whose CPU tier has more slots than a NIXL peer accepts (found in
+// review: peers bound a peer's slots at vllmMaxBlocks) is refused at
+// start with a config error, not by every peer at every handshake.
+func TestNIXLPlaneRefusesTooManySlots(t *testing.T) {
+	if err := nixlSlots(vllmMaxBlocks); err != nil {
+		t.Errorf("%d slots: %v, want accepted", vllmMaxBlocks, err)
+	}
+	if err := nixlSlots(vllmMaxBlocks + 1); !errors.Is(err, offload.ErrConfig) {
+		t.Errorf("%d slots: %v, want a config error", vllmMaxBlocks+1, err)
+	}
 }
