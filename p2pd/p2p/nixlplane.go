@@ -117,7 +117,7 @@ var ucxDefaults = map[string]string{"UCX_TCP_TX_SEG_SIZE": "64k", "UCX_TCP_RX_SE
 // incarnation, with a UCX backend, and registers the arena. A binary built
 // without the nixl tag returns nixlgo.ErrNotBuilt.
 func NewNIXLPlane(arena *offload.Arena, self wire.Hello, cfg NIXLConfig, log *slog.Logger) (*NIXLPlane, error) {
-	if err := nixlSlots(arena.Slots()); err != nil {
+	if err := nixlSlots(arena.Slots()); err != nil { // also checked by the tier, before it listens
 		return nil, err
 	}
 	for k, v := range ucxDefaults {
@@ -187,9 +187,10 @@ func (p *NIXLPlane) VLLMRegion() ([]byte, uintptr) {
 	return md, p.arena.Base()
 }
 
-// nixlSlots refuses a CPU tier of more slots than NIXL peers accept of a
-// peer (AddPeer: a descriptor each is prepared under the manager lock), at
-// start rather than at every peer's handshake.
+// nixlSlots refuses a CPU tier of more slots than NIXL peers and vLLM
+// peers accept of a peer (AddPeer, vconnect: a descriptor each is
+// prepared under the manager lock), at start rather than at every peer's
+// handshake.
 func nixlSlots(n int) error {
 	if n > vllmMaxBlocks {
 		return fmt.Errorf("%w: the NIXL data plane takes at most %d CPU slots (a peer prepares a descriptor for each); cpu_bytes gives %d",

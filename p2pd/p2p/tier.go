@@ -294,6 +294,11 @@ func New(cfg Config, node offload.Config, n Network, env offload.TierEnv) (*Tier
 		return nil, fmt.Errorf("%w: p2p_dialect vllm: vLLM writes slot i at base + i × block_len, and this node's %d-byte slots are %d bytes apart; use a geometry whose block is a multiple of %d bytes",
 			ErrConfig, env.Arena.SlotBytes(), env.Arena.Stride(), os.Getpagesize())
 	}
+	if t.vllm || cfg.DataPlane == "nixl" { // peers refuse more of a peer, whatever this node's data plane
+		if err := nixlSlots(env.Arena.Slots()); err != nil {
+			return nil, err
+		}
+	}
 	ln, err := n.Listen(cfg.Listen)
 	if err != nil {
 		return nil, fmt.Errorf("p2p: listening on %s: %w", cfg.Listen, err)
