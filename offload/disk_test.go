@@ -466,13 +466,7 @@ func TestDiskOtherLayoutMisses(t *testing.T) {
 // until hit_pending_timeout, for every request (100,517 failed
 // promotions for two requests in a second).
 func TestDiskUnopenableFileMisses(t *testing.T) {
-	dir := t.TempDir()
-	m := diskManager(t, dir, 8, 64)
-	keys := testKeys(2)
-	storeBlocks(t, m, keys)
-	if err := m.ResetCache(context.Background()); err != nil {
-		t.Fatal(err)
-	}
+	m, keys := onDiskOnly(t, 2)
 	p := m.mu.tiers[0].(*Disk).path(keys[0])
 	os.Remove(p)
 	if err := os.Symlink(filepath.Base(p), p); err != nil { // a loop: ELOOP
@@ -503,13 +497,7 @@ func TestDiskUnopenableFileMisses(t *testing.T) {
 // hang the worker that reads it (it blocked in open(2), and Close waited
 // for it for ever): the block misses and goes.
 func TestDiskFIFOInPlaceMisses(t *testing.T) {
-	dir := t.TempDir()
-	m := diskManager(t, dir, 8, 16)
-	keys := testKeys(1)
-	storeBlocks(t, m, keys)
-	if err := m.ResetCache(context.Background()); err != nil {
-		t.Fatal(err)
-	}
+	m, keys := onDiskOnly(t, 1)
 	p := m.mu.tiers[0].(*Disk).path(keys[0])
 	os.Remove(p)
 	if err := unix.Mkfifo(p, 0o644); err != nil {
@@ -535,12 +523,7 @@ func TestDiskFIFOInPlaceMisses(t *testing.T) {
 // answered Hit at once again, and each lookup promoted it and failed, as
 // fast as the engine stepped (35,466 failed promotions in 300 ms).
 func TestDiskOutOfFDsBacksOff(t *testing.T) {
-	m := diskManager(t, t.TempDir(), 8, 64)
-	keys := testKeys(1)
-	storeBlocks(t, m, keys)
-	if err := m.ResetCache(context.Background()); err != nil {
-		t.Fatal(err)
-	}
+	m, keys := onDiskOnly(t, 1)
 	defer func(f func(string) (*os.File, error)) { openBlock = f }(openBlock)
 	openBlock = func(path string) (*os.File, error) {
 		return nil, &fs.PathError{Op: "open", Path: path, Err: unix.EMFILE}
@@ -569,4 +552,17 @@ func TestDiskOutOfFDsBacksOff(t *testing.T) {
 	if got := d.Lookup(keys[0], req); got != Hit {
 		t.Errorf("after fdRetry the block answers %v, want hit", got)
 	}
+}
+
+// onDiskOnly is a manager whose n blocks are on disk only: stored, then
+// the CPU tier reset.
+func onDiskOnly(t *testing.T, n int) (*Manager, []Key) {
+	t.Helper()
+	m := diskManager(t, t.TempDir(), 8, 64)
+	keys := testKeys(n)
+	storeBlocks(t, m, keys)
+	if err := m.ResetCache(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	return m, keys
 }
