@@ -96,7 +96,8 @@ type Disk struct {
 	blockBytes int
 	fileBytes  int64
 	capacity   int64
-	layout     [8]byte // the config fingerprint's first bytes, in every header
+	layout     [8]byte  // the config fingerprint's first bytes, in every header
+	lock       *os.File // disk_dir/.lock, held (flock) while the tier is open
 	arena      *Arena
 	wake       func()
 	emit       func(Event) // nil until start-up is done
@@ -176,8 +177,20 @@ func OpenDisk(cfg DiskConfig, env TierEnv) (*Disk, error) {
 	d.mu.lru = list.New()
 	d.mu.writing = make(map[Key]bool)
 	d.mu.jobs = make(map[uint64]*diskJob)
+	if err := os.MkdirAll(d.dir, 0o700); err != nil {
+		return nil, fmt.Errorf("offload: disk_dir: %w", err)
+	}
+	if err := d.lockDir(); err != nil {
+		return nil, err
+	}
+	opened := false
+	defer func() {
+		if !opened {
+			d.lock.Close()
+		}
+	}()
 	for i := range diskShards {
-		if err := os.MkdirAll(d.shard(i), 0o755); err != nil {
+		if err := os.MkdirAll(d.shard(i), 0o700); err != nil {
 			return nil, fmt.Errorf("offload: disk_dir: %w", err)
 		}
 	}
@@ -194,6 +207,7 @@ func OpenDisk(cfg DiskConfig, env TierEnv) (*Disk, error) {
 		return nil, fmt.Errorf("%w: disk_bytes: the cap in force, %d bytes, holds no block of %d bytes (free space in %s is too low?)",
 			ErrConfig, d.capacity, d.fileBytes, d.dir)
 	}
+	opened = true
 	d.mu.Lock()
 	d.evictLocked() // reports nothing: what start-up evicts was never reported stored
 	d.emit = env.Emit
@@ -203,6 +217,25 @@ func OpenDisk(cfg DiskConfig, env TierEnv) (*Disk, error) {
 		d.workers.Go(d.worker)
 	}
 	return d, nil
+}
+
+// lockDir takes disk_dir's lock file for the tier's life: two daemons on
+// one directory would evict and delete each other's blocks and fill it
+// twice over.
+func (d *Disk) lockDir() error {
+	f, err := os.OpenFile(filepath.Join(d.dir, ".lock"), os.O_RDWR|os.O_CREATE, 0o600)
+	if err != nil {
+		return fmt.Errorf("offload: disk_dir: %w", err)
+	}
+	if err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB); err != nil {
+		f.Close()
+		if errors.Is(err, unix.EWOULDBLOCK) {
+			return fmt.Errorf("offload: disk_dir %s is in use by another disk tier (its .lock is held): give each node its own", d.dir)
+		}
+		return fmt.Errorf("offload: disk_dir: locking: %w", err)
+	}
+	d.lock = f
+	return nil
 }
 
 // diskCapacity is the configured cap, but never more than 90 % of the
@@ -365,7 +398,7 @@ func (d *Disk) Close() error {
 	d.mu.work.Broadcast()
 	d.mu.Unlock()
 	d.workers.Wait()
-	return nil
+	return d.lock.Close() // and its lock with it
 }
 
 func (d *Disk) worker() {
@@ -419,7 +452,7 @@ func (d *Disk) write(k Key, block []byte, crc uint32) error {
 	copy(hdr[52:60], d.layout[:])
 	final := d.path(k)
 	tmp := filepath.Join(filepath.Dir(final), fmt.Sprintf("%s%x-%d", tmpPrefix, k[:8], d.tmpSeq.Add(1)))
-	f, err := os.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o644)
+	f, err := os.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600) // prompt-derived: the node's own
 	if err != nil {
 		return err
 	}

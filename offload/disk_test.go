@@ -346,7 +346,7 @@ func TestDiskDirSyncFailureLeavesNoFile(t *testing.T) {
 	}
 	var files []string
 	filepath.WalkDir(dir, func(path string, e os.DirEntry, err error) error {
-		if err == nil && e.Type().IsRegular() {
+		if err == nil && e.Type().IsRegular() && path != filepath.Join(dir, ".lock") {
 			files = append(files, path)
 		}
 		return nil
@@ -565,4 +565,30 @@ func onDiskOnly(t *testing.T, n int) (*Manager, []Key) {
 		t.Fatal(err)
 	}
 	return m, keys
+}
+
+// Found in review: two disk tiers on one disk_dir (two daemons) would
+// evict and delete each other's blocks; the second is refused while the
+// first holds the directory's lock, and gets it once the first closed.
+// Block files are the node's own (0600).
+func TestDiskDirLocked(t *testing.T) {
+	dir := t.TempDir()
+	m, err := diskManagerGeom(t, dir, Geometries["tiny"], 8, 16)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := diskManagerGeom(t, dir, Geometries["tiny"], 8, 16); err == nil || !strings.Contains(err.Error(), "in use") {
+		t.Errorf("a second disk tier on the directory: %v, want refused", err)
+	}
+	keys := testKeys(1)
+	storeBlocks(t, m, keys)
+	if fi, err := os.Stat(m.mu.tiers[0].(*Disk).path(keys[0])); err != nil {
+		t.Error(err)
+	} else if fi.Mode().Perm() != 0o600 {
+		t.Errorf("a block file's mode %v, want 0600", fi.Mode().Perm())
+	}
+	m.Close()
+	if _, err := diskManagerGeom(t, dir, Geometries["tiny"], 8, 16); err != nil {
+		t.Errorf("a disk tier on the directory after the first closed: %v", err)
+	}
 }
