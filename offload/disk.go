@@ -109,6 +109,8 @@ type Disk struct {
 		sync.Mutex
 		work    *sync.Cond
 		closed  bool
+		abandon bool // Close's grace ran out: queued I/O is failed, not done
+		undone  int  // the queued reads and writes abandoned
 		index   map[Key]*diskEntry
 		lru     *list.List // of Key, least recent first
 		writing map[Key]bool
@@ -391,13 +393,29 @@ func (d *Disk) reportLocked(kind EventKind, k Key) {
 	}
 }
 
-// Close lets the workers finish the queued I/O and stops them.
+// diskCloseGrace bounds how long Close goes on with the queued I/O
+// (S5.5: the drain is bounded); what is still queued then fails undone
+// (stores dropped, promotions failed), and Close waits only for the reads
+// and writes under way, one a worker. A variable so a test can shorten it.
+var diskCloseGrace = 5 * time.Second
+
+// Close lets the workers finish the queued I/O for diskCloseGrace at most
+// and stops them.
 func (d *Disk) Close() error {
 	d.mu.Lock()
 	d.mu.closed = true
 	d.mu.work.Broadcast()
 	d.mu.Unlock()
+	stop := time.AfterFunc(diskCloseGrace, func() {
+		d.mu.Lock()
+		d.mu.abandon = true
+		d.mu.Unlock()
+	})
 	d.workers.Wait()
+	stop.Stop()
+	if d.mu.undone > 0 {
+		d.log.Warn("disk tier: closed with queued I/O undone", "reads_and_writes", d.mu.undone, "grace", diskCloseGrace)
+	}
 	return d.lock.Close() // and its lock with it
 }
 
@@ -416,6 +434,22 @@ func (d *Disk) worker() {
 		j := t.dj.job
 		k, si := j.Keys[t.i], int(j.Slots[t.i])
 		slot := d.arena.Slot(si)
+		if d.mu.abandon {
+			d.mu.undone++
+			t.dj.ok = false
+			if j.Promotion {
+				if e := d.mu.index[k]; e != nil {
+					e.readers--
+				}
+			} else {
+				delete(d.mu.writing, k)
+				d.mu.st.droppedStores++
+			}
+			if t.dj.remaining--; t.dj.remaining == 0 {
+				d.finishLocked(t.dj)
+			}
+			continue
+		}
 		d.mu.Unlock()
 		start := time.Now()
 		var err error

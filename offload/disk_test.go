@@ -12,6 +12,7 @@ import (
 	"path/filepath"
 	"runtime"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -590,5 +591,68 @@ func TestDiskDirLocked(t *testing.T) {
 	m.Close()
 	if _, err := diskManagerGeom(t, dir, Geometries["tiny"], 8, 16); err != nil {
 		t.Errorf("a disk tier on the directory after the first closed: %v", err)
+	}
+}
+
+// S5.5, the drain is bounded (found in review): Close goes on with the
+// queued I/O for diskCloseGrace only, then fails what is still queued
+// (stores dropped) and waits just for the write under way. It did every
+// queued read and write first, however long the disk took.
+func TestDiskCloseBounded(t *testing.T) {
+	entered, release := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	syncDir = func(string) error { // the first write stalls, the others do not
+		first := false
+		once.Do(func() { first = true })
+		if first {
+			close(entered)
+			<-release
+		}
+		return nil
+	}
+	defer func() { syncDir = syncDirDefault }()
+	defer func(g time.Duration) { diskCloseGrace = g }(diskCloseGrace)
+	diskCloseGrace = 0
+	cfg := DefaultConfig()
+	cfg.Geometry = Geometries["tiny"]
+	cfg.CPUHugePages = false
+	cfg.CPUBytes = int64(16 * cfg.slotStride())
+	cfg.DiskDir, cfg.DiskFsync, cfg.DiskWorkers = t.TempDir(), true, 1
+	cfg.DiskBytes = 64 * int64(diskHeaderLen+cfg.Geometry.BlockBytes())
+	m, err := New(cfg, DiskTier(cfg.DiskConfig))
+	if err != nil {
+		t.Fatal(err)
+	}
+	d := m.mu.tiers[0].(*Disk)
+	keys := testKeys(8)
+	req := &Request{ID: "writer"}
+	m.Do(func(s *Step) {
+		s.OnNewRequest(req)
+		p, err := s.PrepareStore(keys, req)
+		if err != nil || p == nil {
+			t.Fatalf("PrepareStore: %v %v", p, err)
+		}
+		s.CompleteStore(p.Keys, req, true) // eight writes queued for one worker
+	})
+	<-entered
+	closed := make(chan error, 1)
+	go func() { closed <- m.Close() }()
+	for deadline := time.Now().Add(10 * time.Second); ; runtime.Gosched() {
+		d.mu.Lock()
+		abandoned := d.mu.abandon
+		d.mu.Unlock()
+		if abandoned {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("Close's grace never ran out")
+		}
+	}
+	close(release)
+	if err := <-closed; err != nil {
+		t.Fatal(err)
+	}
+	if d.mu.undone != 7 || d.mu.st.droppedStores != 7 || len(d.mu.index) != 1 {
+		t.Errorf("Close left %d undone, %d stores dropped, %d blocks stored; want 7, 7 and the one under way", d.mu.undone, d.mu.st.droppedStores, len(d.mu.index))
 	}
 }
