@@ -109,8 +109,8 @@ type Disk struct {
 		sync.Mutex
 		work    *sync.Cond
 		closed  bool
-		abandon bool // Close's grace ran out: queued I/O is failed, not done
-		undone  int  // the queued reads and writes abandoned
+		closeBy time.Time // Close's grace: queued I/O taken after it fails, not done
+		undone  int       // the queued reads and writes failed so
 		index   map[Key]*diskEntry
 		lru     *list.List // of Key, least recent first
 		writing map[Key]bool
@@ -404,15 +404,10 @@ var diskCloseGrace = 5 * time.Second
 func (d *Disk) Close() error {
 	d.mu.Lock()
 	d.mu.closed = true
+	d.mu.closeBy = time.Now().Add(diskCloseGrace)
 	d.mu.work.Broadcast()
 	d.mu.Unlock()
-	stop := time.AfterFunc(diskCloseGrace, func() {
-		d.mu.Lock()
-		d.mu.abandon = true
-		d.mu.Unlock()
-	})
 	d.workers.Wait()
-	stop.Stop()
 	if d.mu.undone > 0 {
 		d.log.Warn("disk tier: closed with queued I/O undone", "reads_and_writes", d.mu.undone, "grace", diskCloseGrace)
 	}
@@ -434,7 +429,7 @@ func (d *Disk) worker() {
 		j := t.dj.job
 		k, si := j.Keys[t.i], int(j.Slots[t.i])
 		slot := d.arena.Slot(si)
-		if d.mu.abandon {
+		if d.mu.closed && !time.Now().Before(d.mu.closeBy) {
 			d.mu.undone++
 			t.dj.ok = false
 			if j.Promotion {

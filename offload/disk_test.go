@@ -639,16 +639,16 @@ func TestDiskCloseBounded(t *testing.T) {
 	go func() { closed <- m.Close() }()
 	for deadline := time.Now().Add(10 * time.Second); ; runtime.Gosched() {
 		d.mu.Lock()
-		abandoned := d.mu.abandon
+		closing := d.mu.closed
 		d.mu.Unlock()
-		if abandoned {
+		if closing {
 			break
 		}
 		if time.Now().After(deadline) {
-			t.Fatal("Close's grace never ran out")
+			t.Fatal("Close did not start")
 		}
 	}
-	close(release)
+	close(release) // the grace (0) has run out
 	if err := <-closed; err != nil {
 		t.Fatal(err)
 	}
