@@ -187,7 +187,7 @@ func OpenDisk(cfg DiskConfig, env TierEnv) (*Disk, error) {
 	}
 	opened := false
 	defer func() {
-		if !opened {
+		if !opened && d.lock != nil {
 			d.lock.Close()
 		}
 	}()
@@ -223,20 +223,29 @@ func OpenDisk(cfg DiskConfig, env TierEnv) (*Disk, error) {
 
 // lockDir takes disk_dir's lock file for the tier's life: two daemons on
 // one directory would evict and delete each other's blocks and fill it
-// twice over.
+// twice over. Only a lock another tier holds refuses the start: where
+// the lock cannot be taken at all (a read-only mount, a file system
+// without flock, a .lock of another user) the tier runs without it, as
+// it did before it had one, and says so.
 func (d *Disk) lockDir() error {
-	f, err := os.OpenFile(filepath.Join(d.dir, ".lock"), os.O_RDWR|os.O_CREATE, 0o600)
-	if err != nil {
-		return fmt.Errorf("offload: disk_dir: %w", err)
+	p := filepath.Join(d.dir, ".lock")
+	f, err := os.Open(p) // flock needs no write access
+	if errors.Is(err, fs.ErrNotExist) {
+		f, err = os.OpenFile(p, os.O_RDONLY|os.O_CREATE, 0o644)
 	}
-	if err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB); err != nil {
-		f.Close()
-		if errors.Is(err, unix.EWOULDBLOCK) {
-			return fmt.Errorf("offload: disk_dir %s is in use by another disk tier (its .lock is held): give each node its own", d.dir)
+	if err == nil {
+		if err = unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB); err != nil {
+			f.Close()
 		}
-		return fmt.Errorf("offload: disk_dir: locking: %w", err)
 	}
-	d.lock = f
+	switch {
+	case err == nil:
+		d.lock = f
+	case errors.Is(err, unix.EWOULDBLOCK):
+		return fmt.Errorf("offload: disk_dir %s is in use by another disk tier (its .lock is held): give each node its own", d.dir)
+	default:
+		d.log.Warn("disk tier: running without disk_dir's lock; a second daemon on the directory would not be refused", "path", p, "err", err)
+	}
 	return nil
 }
 
@@ -403,11 +412,17 @@ var diskCloseGrace = 5 * time.Second
 // and stops them.
 func (d *Disk) Close() error {
 	d.mu.Lock()
-	d.mu.closed = true
-	d.mu.closeBy = time.Now().Add(diskCloseGrace)
-	d.mu.work.Broadcast()
+	again := d.mu.closed
+	if !again {
+		d.mu.closed = true
+		d.mu.closeBy = time.Now().Add(diskCloseGrace)
+		d.mu.work.Broadcast()
+	}
 	d.mu.Unlock()
 	d.workers.Wait()
+	if again || d.lock == nil {
+		return nil
+	}
 	if d.mu.undone > 0 {
 		d.log.Warn("disk tier: closed with queued I/O undone", "reads_and_writes", d.mu.undone, "grace", diskCloseGrace)
 	}

@@ -656,3 +656,26 @@ func TestDiskCloseBounded(t *testing.T) {
 		t.Errorf("Close left %d undone, %d stores dropped, %d blocks stored; want 7, 7 and the one under way", d.mu.undone, d.mu.st.droppedStores, len(d.mu.index))
 	}
 }
+
+// Found in review: where disk_dir's lock cannot be taken at all (here a
+// .lock that leads nowhere; a read-only mount, a file system without
+// flock or another user's .lock alike) the tier runs without it, as it
+// did before it had one; the start failed. Close twice is one Close.
+func TestDiskRunsWithoutLockItCannotTake(t *testing.T) {
+	dir := t.TempDir()
+	if err := os.Symlink(filepath.Join(dir, "gone", "lock"), filepath.Join(dir, ".lock")); err != nil {
+		t.Fatal(err)
+	}
+	m, err := diskManagerGeom(t, dir, Geometries["tiny"], 8, 16)
+	if err != nil {
+		t.Fatalf("a disk_dir whose lock cannot be taken: %v, want the tier running without it", err)
+	}
+	storeBlocks(t, m, testKeys(1))
+	d := m.mu.tiers[0].(*Disk)
+	if err := d.Close(); err != nil {
+		t.Errorf("Close: %v", err)
+	}
+	if err := d.Close(); err != nil {
+		t.Errorf("a second Close: %v", err)
+	}
+}
