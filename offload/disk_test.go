@@ -23,18 +23,10 @@ import (
 // and a disk tier in dir capped at capBlocks blocks.
 func diskManager(t *testing.T, dir string, slots, capBlocks int) *Manager {
 	t.Helper()
-	cfg := DefaultConfig()
-	cfg.Geometry = Geometries["tiny"]
-	cfg.CPUHugePages = false
-	cfg.CPUBytes = int64(slots * cfg.slotStride())
-	cfg.DiskDir = dir
-	cfg.DiskBytes = int64(capBlocks) * int64(diskHeaderLen+cfg.Geometry.BlockBytes())
-	cfg.DiskWorkers = 2
-	m, err := New(cfg, DiskTier(cfg.DiskConfig))
+	m, err := diskManagerGeom(t, dir, Geometries["tiny"], slots, capBlocks)
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { m.Close() })
 	return m
 }
 
