@@ -226,14 +226,24 @@ func TestLRUExactOrder(t *testing.T) {
 // It adds a key and evicts one, over 200,000 keys of which the oldest
 // pinned are pinned.
 func BenchmarkLRUEvictPinnedFront(b *testing.B) {
+	benchEvictPinnedFront(b, func() Policy { return newLRU() })
+}
+
+// The same for ARC (the ninth session left it walking past them).
+func BenchmarkARCEvictPinnedFront(b *testing.B) {
+	benchEvictPinnedFront(b, func() Policy { return newARC(200000) })
+}
+
+func benchEvictPinnedFront(b *testing.B, newPolicy func() Policy) {
 	key := func(i int) (k Key) {
 		binary.LittleEndian.PutUint64(k[:], uint64(i))
 		return k
 	}
 	for _, pinned := range []int{0, 65536} {
 		b.Run(fmt.Sprintf("pinned=%d", pinned), func(b *testing.B) {
-			p := newLRU()
+			p := newPolicy()
 			for i := range 200000 {
+				p.Insert(key(i))
 				p.SetEvictable(key(i), true)
 				if i < pinned {
 					p.SetEvictable(key(i), false) // say by peers' leases
@@ -241,6 +251,7 @@ func BenchmarkLRUEvictPinnedFront(b *testing.B) {
 			}
 			i := 200000
 			for b.Loop() {
+				p.Insert(key(i))
 				p.SetEvictable(key(i), true)
 				i++
 				if p.Evict(1, nil) == nil {
@@ -273,6 +284,154 @@ func TestARCScanResistance(t *testing.T) {
 	}
 	if e := p.resident(ks[0]); e == nil {
 		t.Error("the frequently used key was evicted by a scan")
+	}
+}
+
+// arcModel is ARC over slices, walking them from the front for every
+// choice as the first ARC did: TestARCExactOrder holds the policy to it.
+type arcModel struct {
+	capacity, target int
+	t1, t2, b1, b2   []Key // least recent first
+	evictable        map[Key]bool
+}
+
+func (m *arcModel) in(k Key) *[]Key {
+	for _, l := range []*[]Key{&m.t1, &m.t2, &m.b1, &m.b2} {
+		if slices.Contains(*l, k) {
+			return l
+		}
+	}
+	return nil
+}
+
+func (m *arcModel) move(k Key, to *[]Key) {
+	if l := m.in(k); l != nil {
+		*l = slices.DeleteFunc(*l, func(x Key) bool { return x == k })
+	}
+	*to = append(*to, k)
+}
+
+func (m *arcModel) resident(k Key) bool { l := m.in(k); return l == &m.t1 || l == &m.t2 }
+
+func (m *arcModel) insert(k Key) {
+	switch m.in(k) {
+	case nil:
+		m.move(k, &m.t1)
+	case &m.b1:
+		m.target = min(m.capacity, m.target+max(len(m.b2)/max(len(m.b1), 1), 1))
+		m.move(k, &m.t2)
+	case &m.b2:
+		m.target = max(0, m.target-max(len(m.b1)/max(len(m.b2), 1), 1))
+		m.move(k, &m.t2)
+	}
+	m.evictable[k] = false
+}
+
+func (m *arcModel) evict(n int, protected func(Key) bool) []Key {
+	taken := map[Key]bool{}
+	first := func(l []Key) (Key, bool) {
+		for _, k := range l {
+			if m.evictable[k] && !taken[k] && !protected(k) {
+				return k, true
+			}
+		}
+		return Key{}, false
+	}
+	var victims []Key
+	t1Len := len(m.t1)
+	for len(victims) < n {
+		k1, ok1 := first(m.t1)
+		k2, ok2 := first(m.t2)
+		var v Key
+		switch {
+		case ok1 && (t1Len > m.target || !ok2):
+			v = k1
+			t1Len--
+		case ok2:
+			v = k2
+		case ok1:
+			v = k1
+			t1Len--
+		default:
+			return nil
+		}
+		taken[v] = true
+		victims = append(victims, v)
+	}
+	for _, v := range victims {
+		if m.in(v) == &m.t1 {
+			m.move(v, &m.b1)
+		} else {
+			m.move(v, &m.b2)
+		}
+		m.evictable[v] = false
+	}
+	for len(m.b1)+len(m.b2) > m.capacity {
+		g := &m.b1
+		if len(m.b2) > len(m.b1) {
+			g = &m.b2
+		}
+		*g = (*g)[1:]
+	}
+	return victims
+}
+
+// Issue 12: ARC sets pinned keys aside as the LRU does and still evicts
+// exactly what walking its lists from the front chose, pins of the least
+// recent keys and protected keys included.
+func TestARCExactOrder(t *testing.T) {
+	rng := rand.New(rand.NewPCG(7, 8))
+	const capacity = 16
+	p := newARC(capacity)
+	m := &arcModel{capacity: capacity, evictable: map[Key]bool{}}
+	ks := testKeys(48)
+	evicted := 0
+	for step := range 60000 {
+		k := ks[rng.IntN(len(ks))]
+		switch op := rng.IntN(8); {
+		case op == 0:
+			if !m.resident(k) {
+				p.Insert(k)
+				m.insert(k)
+			}
+		case op <= 2:
+			if m.resident(k) {
+				ev := rng.IntN(3) > 0
+				p.SetEvictable(k, ev)
+				m.evictable[k] = ev
+			}
+		case op == 3: // pin the least recent keys of both lists, as a peer's lease on old blocks does
+			for _, l := range [][]Key{m.t1, m.t2} {
+				for _, ok := range l[:min(len(l), 4)] {
+					p.SetEvictable(ok, false)
+					m.evictable[ok] = false
+				}
+			}
+		case op == 4 && m.resident(k):
+			p.Access(k)
+			m.move(k, &m.t2)
+		case op == 5 && m.resident(k) && rng.IntN(4) == 0:
+			p.Remove(k)
+			l := m.in(k)
+			*l = slices.DeleteFunc(*l, func(x Key) bool { return x == k })
+			delete(m.evictable, k)
+		case op >= 6:
+			n := 1 + rng.IntN(4)
+			prot := ks[rng.IntN(len(ks))]
+			isProt := func(x Key) bool { return x == prot }
+			got, want := p.Evict(n, isProt), m.evict(n, isProt)
+			if !slices.Equal(got, want) {
+				t.Fatalf("step %d: Evict(%d) = %v, want %v", step, n, got, want)
+			}
+			evicted += len(got)
+		}
+		if p.size(p.t1) != len(m.t1) || p.size(p.t2) != len(m.t2) || p.b1.Len() != len(m.b1) || p.b2.Len() != len(m.b2) || p.target != m.target {
+			t.Fatalf("step %d: sizes t1 %d t2 %d b1 %d b2 %d target %d, want %d %d %d %d %d", step,
+				p.size(p.t1), p.size(p.t2), p.b1.Len(), p.b2.Len(), p.target, len(m.t1), len(m.t2), len(m.b1), len(m.b2), m.target)
+		}
+	}
+	if evicted < 1000 {
+		t.Fatalf("only %d evictions: the walk tests little", evicted)
 	}
 }
 

@@ -49,40 +49,50 @@ func NewPolicy(name string, capacity int) (Policy, error) {
 // it used to walk past every pinned key at the least recent end each time
 // (282 µs an Evict(1) with the 65,536 oldest of 200,000 keys pinned).
 type lru struct {
-	order *list.List // of *lruEntry, least recent first
-	back  lruHeap    // set aside while pinned, evictable again: least recent first
+	order *list.List         // of *lruEntry, least recent first
+	back  seqHeap[*lruEntry] // set aside while pinned, evictable again: least recent first
 	elems map[Key]*lruEntry
 	seq   uint64 // the last place given
 }
 
 type lruEntry struct {
-	key       Key
-	seq       uint64 // its place in the use order
+	key Key
+	place
 	evictable bool
 	elem      *list.Element // in order; nil when set aside or in back
-	at        int           // its index in back; -1 when not there
 }
 
-// lruHeap is a min-heap of entries by seq (container/heap).
-type lruHeap []*lruEntry
+// place is an entry's place in a use order: seq, and its index at in a
+// seqHeap (-1 when not in one).
+type place struct {
+	seq uint64
+	at  int
+}
 
-func (h lruHeap) Len() int           { return len(h) }
-func (h lruHeap) Less(i, j int) bool { return h[i].seq < h[j].seq }
-func (h lruHeap) Swap(i, j int) {
+func (p *place) placed() *place { return p }
+
+// seqHeap is a min-heap by seq (container/heap) of the entries set aside
+// while pinned that are evictable again: least recent first.
+type seqHeap[E interface{ placed() *place }] []E
+
+func (h seqHeap[E]) Len() int           { return len(h) }
+func (h seqHeap[E]) Less(i, j int) bool { return h[i].placed().seq < h[j].placed().seq }
+func (h seqHeap[E]) Swap(i, j int) {
 	h[i], h[j] = h[j], h[i]
-	h[i].at, h[j].at = i, j
+	h[i].placed().at, h[j].placed().at = i, j
 }
-func (h *lruHeap) Push(x any) {
-	e := x.(*lruEntry)
-	e.at = len(*h)
+func (h *seqHeap[E]) Push(x any) {
+	e := x.(E)
+	e.placed().at = len(*h)
 	*h = append(*h, e)
 }
-func (h *lruHeap) Pop() any {
+func (h *seqHeap[E]) Pop() any {
 	old := *h
 	e := old[len(old)-1]
-	old[len(old)-1] = nil
+	var zero E
+	old[len(old)-1] = zero
 	*h = old[:len(old)-1]
-	e.at = -1
+	e.placed().at = -1
 	return e
 }
 
@@ -96,7 +106,7 @@ func (p *lru) SetEvictable(k Key, evictable bool) {
 	switch {
 	case !ok && evictable:
 		p.seq++
-		e = &lruEntry{key: k, seq: p.seq, evictable: true, at: -1}
+		e = &lruEntry{key: k, place: place{seq: p.seq, at: -1}, evictable: true}
 		e.elem = p.order.PushBack(e)
 		p.elems[k] = e
 	case !ok:
@@ -206,19 +216,34 @@ func (p *lru) Evict(n int, protected func(Key) bool) []Key {
 
 // arc is the adaptive replacement cache (Megiddo and Modha): resident keys
 // seen once live in t1, keys seen again in t2; b1 and b2 remember recently
-// evicted keys and steer the target size of t1. Pinned and writing keys
-// stay in their lists but are skipped by eviction.
+// evicted keys and steer the target size of t1. A pinned key that Evict
+// meets is set aside as the LRU's are: it stays in its list (t1 or t2 by
+// its in, counted in the list's size) and keeps its place (seq), out of
+// the list's order, and goes into the list's back when it is evictable
+// again, from where Evict takes it in its turn (an Evict walked past
+// every pinned key at the front of t1 and t2, and past every key it had
+// already chosen, each time it chose one).
 type arc struct {
 	capacity       int
 	target         int // target size of t1
 	t1, t2, b1, b2 *list.List
+	res            [2]arcResident // t1's and t2's keys set aside
 	entries        map[Key]*arcEntry
+	seq            uint64 // the last place given
+}
+
+// arcResident is what a resident list has set aside: aside keys in all,
+// those of them evictable again in back.
+type arcResident struct {
+	aside int
+	back  seqHeap[*arcEntry]
 }
 
 type arcEntry struct {
-	key       Key
-	in        *list.List
-	elem      *list.Element
+	key Key
+	place
+	in        *list.List    // t1, t2, b1 or b2
+	elem      *list.Element // in in; nil while set aside
 	evictable bool
 }
 
@@ -228,18 +253,44 @@ func newARC(capacity int) *arc {
 
 func (p *arc) Name() string { return "arc" }
 
-func (p *arc) move(e *arcEntry, to *list.List) {
-	if e.in != nil {
-		e.in.Remove(e.elem)
+// resOf is what list l (t1 or t2) has set aside.
+func (p *arc) resOf(l *list.List) *arcResident {
+	if l == p.t1 {
+		return &p.res[0]
 	}
+	return &p.res[1]
+}
+
+// size is t1's or t2's size, its keys set aside included.
+func (p *arc) size(l *list.List) int { return l.Len() + p.resOf(l).aside }
+
+// detach takes e out of its list's order or what the list set aside.
+func (p *arc) detach(e *arcEntry) {
+	switch {
+	case e.elem != nil:
+		e.in.Remove(e.elem)
+		e.elem = nil
+	case e.in != nil:
+		r := p.resOf(e.in)
+		r.aside--
+		if e.at >= 0 {
+			heap.Remove(&r.back, e.at)
+		}
+	}
+}
+
+func (p *arc) move(e *arcEntry, to *list.List) {
+	p.detach(e)
 	e.in = to
 	e.elem = to.PushBack(e)
+	p.seq++
+	e.seq = p.seq
 }
 
 func (p *arc) Insert(k Key) {
 	e, ok := p.entries[k]
 	if !ok {
-		e = &arcEntry{key: k}
+		e = &arcEntry{key: k, place: place{at: -1}}
 		p.entries[k] = e
 		p.move(e, p.t1)
 		return
@@ -252,7 +303,7 @@ func (p *arc) Insert(k Key) {
 		p.target = max(0, p.target-max(p.b1.Len()/max(p.b2.Len(), 1), 1))
 		p.move(e, p.t2)
 	}
-	e.evictable = false
+	p.setEvictable(e, false)
 }
 
 func (p *arc) resident(k Key) *arcEntry {
@@ -264,8 +315,21 @@ func (p *arc) resident(k Key) *arcEntry {
 
 func (p *arc) SetEvictable(k Key, evictable bool) {
 	if e := p.resident(k); e != nil {
-		e.evictable = evictable
+		p.setEvictable(e, evictable)
 	}
+}
+
+func (p *arc) setEvictable(e *arcEntry, evictable bool) {
+	if e.elem == nil { // set aside: into back in its turn, or out of it
+		r := p.resOf(e.in)
+		switch {
+		case evictable && e.at < 0:
+			heap.Push(&r.back, e)
+		case !evictable && e.at >= 0:
+			heap.Remove(&r.back, e.at)
+		}
+	}
+	e.evictable = evictable
 }
 
 func (p *arc) Access(k Key) {
@@ -276,46 +340,102 @@ func (p *arc) Access(k Key) {
 
 func (p *arc) Remove(k Key) {
 	if e := p.resident(k); e != nil {
-		e.in.Remove(e.elem)
+		p.detach(e)
 		delete(p.entries, k)
 	}
 }
 
-// candidate returns the least recent evictable, unprotected entry of l that
-// is not in taken.
-func (p *arc) candidate(l *list.List, protected func(Key) bool, taken map[*arcEntry]bool) *arcEntry {
-	for el := l.Front(); el != nil; el = el.Next() {
-		e := el.Value.(*arcEntry)
-		if e.evictable && !taken[e] && (protected == nil || !protected(e.key)) {
-			return e
+// arcCursor finds the least recent evictable, unprotected key of t1 or t2
+// that Evict has not chosen yet: from the list's order (past the keys
+// already chosen, setting pinned ones aside) and from its back.
+type arcCursor struct {
+	p         *arc
+	l         *list.List
+	el        *list.Element // the order's next key to look at
+	next      *arcEntry     // the order's candidate
+	skipped   []*arcEntry   // protected, taken off back for this Evict
+	fromBack  []*arcEntry   // chosen, taken off back
+	protected func(Key) bool
+}
+
+func (c *arcCursor) candidate() *arcEntry {
+	r := c.p.resOf(c.l)
+	for c.next == nil && c.el != nil {
+		e, after := c.el.Value.(*arcEntry), c.el.Next()
+		switch {
+		case !e.evictable:
+			c.l.Remove(c.el)
+			e.elem = nil
+			r.aside++
+		case c.protected == nil || !c.protected(e.key):
+			c.next = e
+		}
+		c.el = after
+	}
+	var top *arcEntry
+	for len(r.back) > 0 && top == nil {
+		if e := r.back[0]; c.protected == nil || !c.protected(e.key) {
+			top = e
+		} else {
+			c.skipped = append(c.skipped, heap.Pop(&r.back).(*arcEntry))
 		}
 	}
-	return nil
+	if top != nil && (c.next == nil || top.seq < c.next.seq) {
+		return top
+	}
+	return c.next
+}
+
+// take marks v, the last candidate, chosen.
+func (c *arcCursor) take(v *arcEntry) {
+	if v == c.next {
+		c.next = nil
+		return
+	}
+	c.fromBack = append(c.fromBack, heap.Pop(&c.p.resOf(c.l).back).(*arcEntry))
+}
+
+// done puts back what the cursor took off back for this Evict: the
+// protected keys, and the chosen ones too unless kept.
+func (c *arcCursor) done(kept bool) {
+	r := c.p.resOf(c.l)
+	for _, e := range c.skipped {
+		heap.Push(&r.back, e)
+	}
+	if !kept {
+		for _, e := range c.fromBack {
+			heap.Push(&r.back, e)
+		}
+	}
 }
 
 func (p *arc) Evict(n int, protected func(Key) bool) []Key {
-	taken := make(map[*arcEntry]bool, n)
+	c1 := arcCursor{p: p, l: p.t1, el: p.t1.Front(), protected: protected}
+	c2 := arcCursor{p: p, l: p.t2, el: p.t2.Front(), protected: protected}
 	victims := make([]*arcEntry, 0, n)
-	t1Len := p.t1.Len()
+	t1Len := p.size(p.t1)
 	for len(victims) < n {
-		c1 := p.candidate(p.t1, protected, taken)
-		c2 := p.candidate(p.t2, protected, taken)
-		var v *arcEntry
+		v1, v2 := c1.candidate(), c2.candidate()
 		switch {
-		case c1 != nil && (t1Len > p.target || c2 == nil):
-			v = c1
+		case v1 != nil && (t1Len > p.target || v2 == nil):
+			c1.take(v1)
+			victims = append(victims, v1)
 			t1Len--
-		case c2 != nil:
-			v = c2
-		case c1 != nil:
-			v = c1
+		case v2 != nil:
+			c2.take(v2)
+			victims = append(victims, v2)
+		case v1 != nil:
+			c1.take(v1)
+			victims = append(victims, v1)
 			t1Len--
-		default:
+		default: // fewer than n: nothing changes but what was set aside
+			c1.done(false)
+			c2.done(false)
 			return nil
 		}
-		taken[v] = true
-		victims = append(victims, v)
 	}
+	c1.done(true)
+	c2.done(true)
 	keys := make([]Key, len(victims))
 	for i, v := range victims {
 		keys[i] = v.key
