@@ -31,6 +31,7 @@ func TestConfig(t *testing.T) {
 		"copy_backend":       func(c *Config) { c.CopyBackend = "tpu" },
 		"log_format":         func(c *Config) { c.LogFormat = "xml" },
 		"data_conns":         func(c *Config) { c.DataConns = 0 },
+		"bulk_concurrency":   func(c *Config) { c.BulkConcurrency = -1 },
 		"cpu_policy":         func(c *Config) { c.CPUPolicy = "fifo" },
 		"shutdown_grace":     func(c *Config) { c.ShutdownGrace = -1 },
 		"event_history":      func(c *Config) { c.EventHistory = 0 },

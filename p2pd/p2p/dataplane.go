@@ -8,6 +8,7 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"runtime"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -90,6 +91,9 @@ type TCPPlane struct {
 	deadFIFO []roundKey        // dead in insertion order: the oldest go beyond maxDead
 	writes   map[roundKey][]*write
 	wg       sync.WaitGroup
+	bulk     chan struct{} // the bulk tokens: one held by each block write in progress
+
+	bulkWaits, bulkYields atomic.Uint64 // block writes that waited for a token; that gave theirs back to wait for the peer
 }
 
 // TCPPlaneConfig configures a TCP data plane.
@@ -110,6 +114,9 @@ type TCPPlaneConfig struct {
 	// Nice runs each data connection's reader and writer on an OS thread
 	// of its own at this nice value (0: as the process).
 	Nice int
+	// Bulk bounds the blocks written at once, across every peer
+	// (bulk_concurrency); 0: GOMAXPROCS − 1, at least 1.
+	Bulk int
 }
 
 // maxDead bounds the cancelled rounds whose stray blocks are drained
@@ -220,7 +227,10 @@ func NewTCPPlane(arena *offload.Arena, n Network, cfg TCPPlaneConfig, log *slog.
 	if cfg.MaxIn < cfg.Conns {
 		cfg.MaxIn = 4 * cfg.Conns
 	}
-	return &TCPPlane{arena: arena, net: n, cfg: cfg, log: log,
+	if cfg.Bulk <= 0 {
+		cfg.Bulk = max(1, runtime.GOMAXPROCS(0)-1)
+	}
+	return &TCPPlane{arena: arena, net: n, cfg: cfg, log: log, bulk: make(chan struct{}, cfg.Bulk),
 		peers: make(map[string]*tcpPeer), expect: make(map[roundKey]*expectation), dead: make(map[roundKey]bool),
 		writes: make(map[roundKey][]*write)}
 }
@@ -475,7 +485,7 @@ func (p *TCPPlane) writer(o *outConn) {
 			if p.cfg.IdleTimeout > 0 {
 				o.c.SetWriteDeadline(time.Now().Add(p.cfg.IdleTimeout))
 			}
-			err = writeChecked(o.c, hdr[:], p.arena.Slot(int(t.local)), p.arena.SumOf(int(t.local)))
+			err = p.writeBlock(o.c, hdr[:], p.arena.Slot(int(t.local)), p.arena.SumOf(int(t.local)))
 			if p.cfg.IdleTimeout > 0 && err == nil {
 				o.c.SetWriteDeadline(time.Time{})
 			}
@@ -697,15 +707,6 @@ func (p *TCPPlane) read(peer string, c net.Conn) error {
 // chunk is how much of a block is read before its checksum is updated:
 // small enough that the bytes are still in cache.
 const chunk = 128 << 10
-
-// writeChecked writes hdr, the block and its CRC32C in one writev.
-func writeChecked(w io.Writer, hdr, block []byte, crc uint32) error {
-	var trailer [wire.DataTrailerSize]byte
-	binary.BigEndian.PutUint32(trailer[:], crc)
-	bufs := net.Buffers{hdr, block, trailer[:]}
-	_, err := bufs.WriteTo(w)
-	return err
-}
 
 // readChecked reads a whole block from r straight into slot and returns
 // its CRC32C, computed chunk by chunk as the bytes arrive.

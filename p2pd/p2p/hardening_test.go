@@ -470,6 +470,119 @@ func TestDataStallInsideBlock(t *testing.T) {
 	})
 }
 
+// Issue 12: block writes across peers are bounded by bulk_concurrency,
+// and a peer that stops reading holds its token for bulkSlice only: with
+// one token, a block for a second peer goes out exactly bulkSlice after
+// the first peer stalled inside its block (at once without the bound; a
+// minute later, at data_idle_timeout, without the slice).
+func TestBulkConcurrencyAcrossPeers(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		nd := newNode(t, newMemNet(), nil, 4)
+		mn := newMemNet()
+		p := NewTCPPlane(nd.m.Arena(), mn, TCPPlaneConfig{Conns: 1, IdleTimeout: time.Minute, Bulk: 1}, slog.New(slog.DiscardHandler))
+		defer p.Close()
+		conns := map[string]chan net.Conn{}
+		for _, peer := range []string{"a", "b"} {
+			ln, err := mn.Listen(peer + ":1")
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer ln.Close()
+			if err := p.AddPeer(peer, peer+":1", nil); err != nil {
+				t.Fatal(err)
+			}
+			ch := make(chan net.Conn, 1)
+			conns[peer] = ch
+			go func() {
+				if c, err := ln.Accept(); err == nil {
+					ch <- c
+				}
+			}()
+		}
+		done := map[string]chan error{"a": make(chan error, 1), "b": make(chan error, 1)}
+		p.Write("a", 1, []SlotPair{{Local: 0, Remote: 0}}, func(err error) { done["a"] <- err })
+		stalled := <-conns["a"] // never read: a's writer blocks inside its block, holding the token
+		defer stalled.Close()
+		synctest.Wait()
+		start := time.Now()
+		p.Write("b", 1, []SlotPair{{Local: 1, Remote: 0}}, func(err error) { done["b"] <- err })
+		c := <-conns["b"]
+		defer c.Close()
+		go io.Copy(io.Discard, c)
+		if err := <-done["b"]; err != nil || time.Since(start) != bulkSlice {
+			t.Errorf("the second peer's block: %v after %v, want it sent after bulkSlice (%v)", err, time.Since(start), bulkSlice)
+		}
+		if w, s := p.bulkWaits.Load(), p.bulkYields.Load(); w != 1 || s != 1 {
+			t.Errorf("bulk waits %d, slow writes %d; want 1 and 1", w, s)
+		}
+		stalled.Close()
+		if err := <-done["a"]; err == nil {
+			t.Error("the stalled peer's block reported sent")
+		}
+	})
+}
+
+// Issue 12: over a real TCP socket, a block write gives its bulk token
+// back as soon as the socket is full, not after bulkSlice: with one token
+// and a peer that stops reading, a second peer's blocks still go out.
+// Real sockets and real time: the bound below (5 s) is what fails when
+// the stalled write keeps its token (until data_idle_timeout, a minute).
+func TestBulkTokenNotHeldWhileSocketFull(t *testing.T) {
+	nd := newNode(t, newMemNet(), nil, 64)
+	p := NewTCPPlane(nd.m.Arena(), TCP{}, TCPPlaneConfig{Conns: 1, IdleTimeout: time.Minute, Bulk: 1}, slog.New(slog.DiscardHandler))
+	defer p.Close()
+	accepted := map[string]chan net.Conn{}
+	for _, peer := range []string{"a", "b"} {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer ln.Close()
+		if err := p.AddPeer(peer, ln.Addr().String(), nil); err != nil {
+			t.Fatal(err)
+		}
+		ch := make(chan net.Conn, 1)
+		accepted[peer] = ch
+		go func() {
+			if c, err := ln.Accept(); err == nil {
+				c.(*net.TCPConn).SetReadBuffer(4096)
+				ch <- c
+			}
+		}()
+	}
+	pairs := make([]SlotPair, 4096) // more than the stalled socket's buffers take
+	for i := range pairs {
+		pairs[i] = SlotPair{Local: uint32(i % 64), Remote: uint32(i)}
+	}
+	aDone, bDone := make(chan error, 1), make(chan error, 1)
+	p.Write("a", 1, pairs, func(err error) { aDone <- err })
+	stalled := <-accepted["a"] // never read
+	defer stalled.Close()
+	deadline := time.Now().Add(5 * time.Second)
+	for p.bulkYields.Load() == 0 { // a's writer met the full socket
+		if time.Now().After(deadline) {
+			t.Fatal("the stalled peer's socket never filled")
+		}
+		time.Sleep(time.Millisecond)
+	}
+	p.Write("b", 1, pairs[:4], func(err error) { bDone <- err })
+	c := <-accepted["b"]
+	defer c.Close()
+	go io.Copy(io.Discard, c)
+	select {
+	case err := <-bDone:
+		if err != nil {
+			t.Errorf("the second peer's blocks: %v", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the second peer's blocks waited behind a peer that does not read")
+	}
+	stalled.Close()
+	if err := <-aDone; err == nil {
+		t.Error("the stalled peer's blocks reported sent")
+	}
+}
+
 // slotsOf returns the CPU slots of ready keys.
 func slotsOf(t *testing.T, n *node, keys []offload.Key) []int32 {
 	t.Helper()
@@ -528,7 +641,9 @@ func TestChecksumKeptWithSlot(t *testing.T) {
 func TestDataConnectionsShareOneQueue(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		mn := newMemNet()
-		prod := newNode(t, mn, nil, 16)
+		// A token for each connection: the stalled one holds its own for
+		// bulkSlice (TestBulkConcurrencyAcrossPeers), not the free one's.
+		prod := newNode(t, mn, func(c *Config) { c.BulkConcurrency = 2 }, 16)
 		keys := testKeys(1, 6)
 		prod.store(t, keys)
 		dataL, _ := mn.Listen("fake:1")

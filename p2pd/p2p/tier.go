@@ -330,7 +330,7 @@ func New(cfg Config, node offload.Config, n Network, env offload.TierEnv) (*Tier
 			break
 		}
 		t.dp = NewTCPPlane(env.Arena, n, TCPPlaneConfig{Conns: cfg.DataConns, MaxIn: cfg.MaxDataConns,
-			IdleTimeout: time.Duration(cfg.DataIdleTimeout), Auth: t.authData, HandshakeTimeout: time.Duration(cfg.HandshakeTimeout), Nice: cfg.DataNice}, log)
+			IdleTimeout: time.Duration(cfg.DataIdleTimeout), Auth: t.authData, HandshakeTimeout: time.Duration(cfg.HandshakeTimeout), Nice: cfg.DataNice, Bulk: cfg.BulkConcurrency}, log)
 	}
 	t.hs = &handshaker{Shaker: protocol.Shaker{Self: peerID{Node: t.self.NodeID, Inc: t.self.Incarnation}, Token: []byte(cfg.ClusterToken),
 		Connect: wire.Connect{NodeID: t.self.NodeID, Incarnation: t.self.Incarnation, Version: wire.Version,
@@ -849,6 +849,11 @@ func (t *Tier) Stats() []offload.Stat {
 			offload.Stat{Name: "kv_offload_p2p_crc_errors_total", Type: "counter", Help: "Blocks whose CRC32C did not match (S7.2).", Value: float64(tp.crcErrors.Load())},
 			offload.Stat{Name: "kv_offload_p2p_unexpected_blocks_total", Type: "counter", Help: "Blocks (TCP: data connections dropped for one; NIXL: round notifications) nobody expected.", Value: float64(tp.strays.Load())},
 			offload.Stat{Name: "kv_offload_p2p_data_cap_drops_total", Type: "counter", Help: "Inbound data connections refused in their handshake because the peer had max_data_conns.", Value: float64(tp.capDrops.Load())})
+	}
+	if tp, ok := t.dp.(*TCPPlane); ok {
+		st = append(st,
+			offload.Stat{Name: "kv_offload_p2p_bulk_waits_total", Type: "counter", Help: "Block writes that waited for one of the bulk_concurrency tokens.", Value: float64(tp.bulkWaits.Load())},
+			offload.Stat{Name: "kv_offload_p2p_bulk_yields_total", Type: "counter", Help: "Block writes that gave their bulk token back before they ended, to wait for the peer to read: its socket was full (over TLS: after 10 ms).", Value: float64(tp.bulkYields.Load())})
 	}
 	return st
 }
