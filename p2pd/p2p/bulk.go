@@ -3,6 +3,7 @@ package p2p
 import (
 	"encoding/binary"
 	"net"
+	"os"
 	"runtime"
 	"sync/atomic"
 	"syscall"
@@ -53,11 +54,13 @@ func lowered(nice int, fn func()) {
 // 0.95, docs/benchmarks.md); what a node reads is bounded by its peers'
 // writes.
 
-// bulkSlice is how long a write that cannot tell a wait from work (TLS,
-// in-memory connections) holds its token at most: past it, the write is
+// bulkSlice is how long a write that cannot tell a wait from work (a
+// connection that is no socket nor TLS over one: the tests' in-memory
+// ones) holds its token at most: past it, the write is
 // waiting for a slow or stalled peer, not for a CPU, and gives the token
-// back so that it holds back no other peer's blocks.
-const bulkSlice = 10 * time.Millisecond
+// back so that it holds back no other peer's blocks. A variable so a
+// test can tell the exact give-back of sockets from it.
+var bulkSlice = 10 * time.Millisecond
 
 // takeBulk waits for a bulk token. The wait is bounded: every holder
 // gives its token back once the kernel stops taking its bytes, or after
@@ -98,42 +101,74 @@ func (p *TCPPlane) takeBulkFor() (give func()) {
 }
 
 // writeBlock writes hdr, the block and its CRC32C after it. On a TCP
-// socket it writes (writev) for as long as the kernel takes the bytes,
-// holding a token for that; when the socket is full it gives the token
-// back and waits for room (the peer reading, up to the write deadline),
-// then for a token again. It never waits for a token inside the socket's
-// write lock, which a Close of the connection would wait behind. Other
-// connections write through net.Buffers with a token held for the write
-// or bulkSlice.
+// socket, and on TLS over one (where the encryption runs under the token
+// too), it holds a token while the kernel takes the bytes and gives it
+// back to wait for room when the socket is full (writeRaw). Other
+// connections hold a token for the write, or bulkSlice at most.
 func (p *TCPPlane) writeBlock(c net.Conn, hdr, block []byte, crc uint32) error {
 	var trailer [wire.DataTrailerSize]byte
 	binary.BigEndian.PutUint32(trailer[:], crc)
 	bufs := [][]byte{hdr, block, trailer[:]}
-	sc, ok := c.(syscall.Conn)
-	var raw syscall.RawConn
-	if ok {
-		var err error
-		if raw, err = sc.SyscallConn(); err != nil {
-			return err
+	if raw := rawConn(c); raw != nil {
+		var held bool
+		_, err := p.writeRaw(raw, bufs, &held)
+		if held {
+			p.giveBulk()
 		}
-	}
-	if raw == nil {
-		give := p.takeBulkFor()
-		defer give()
-		nb := net.Buffers(bufs)
-		_, err := nb.WriteTo(c)
 		return err
 	}
+	if tc, ok := c.(*tlsConn); ok && tc.sock.raw != nil {
+		p.takeBulk()
+		h := &bulkHold{p: p, held: true}
+		tc.sock.hold.Store(h)
+		nb := net.Buffers(bufs)
+		_, err := nb.WriteTo(c)
+		tc.sock.hold.Store(nil)
+		if h.held {
+			p.giveBulk()
+		}
+		return err
+	}
+	give := p.takeBulkFor()
+	defer give()
+	nb := net.Buffers(bufs)
+	_, err := nb.WriteTo(c)
+	return err
+}
+
+// rawConn is c's socket, nil when c is not one.
+func rawConn(c net.Conn) syscall.RawConn {
+	sc, ok := c.(syscall.Conn)
+	if !ok {
+		return nil
+	}
+	raw, err := sc.SyscallConn()
+	if err != nil {
+		return nil
+	}
+	return raw
+}
+
+// writeRaw writes bufs to the socket raw, holding a token (*held says
+// whether it holds one) while the kernel takes bytes: when the socket is
+// full it gives the token back and the poller waits for room without
+// one. It never waits for a token inside the socket's write lock, which a
+// Close of the connection would wait behind. It returns the bytes
+// written.
+func (p *TCPPlane) writeRaw(raw syscall.RawConn, bufs [][]byte, held *bool) (int, error) {
 	var werr error
 	waited := false
+	written := 0
 	for len(bufs) > 0 && werr == nil {
-		p.takeBulk()
-		held := true
+		if !*held {
+			p.takeBulk()
+			*held = true
+		}
 		err := raw.Write(func(fd uintptr) bool {
-			if !held {
+			if !*held {
 				select {
 				case p.bulk <- struct{}{}:
-					held = true
+					*held = true
 				default:
 					return true // to wait for one outside the write lock
 				}
@@ -149,24 +184,47 @@ func (p *TCPPlane) writeBlock(c net.Conn, hdr, block []byte, crc uint32) error {
 						p.bulkYields.Add(1)
 					}
 					p.giveBulk()
-					held = false
+					*held = false
 					return false // the poller waits for room, without a token
 				case err != nil:
-					werr = err
+					werr = os.NewSyscallError("writev", err)
 					return true
 				}
+				written += n
 				bufs = consumed(bufs, n)
 			}
 			return true
 		})
-		if held {
-			p.giveBulk()
-		}
 		if err != nil {
-			return err
+			werr = err
 		}
 	}
-	return werr
+	return written, werr
+}
+
+// bulkSocket is the TCP connection under a TLS one. While the plane's
+// writer writes a block over the TLS connection (the only goroutine that
+// writes a data connection it dialled), hold says so, and the records
+// TLS writes go out through writeRaw under the block's token.
+type bulkSocket struct {
+	net.Conn
+	raw  syscall.RawConn // nil when Conn is not a socket
+	hold atomic.Pointer[bulkHold]
+}
+
+// bulkHold is a block write's token over TLS: held while it has one.
+type bulkHold struct {
+	p    *TCPPlane
+	held bool
+}
+
+func newBulkSocket(c net.Conn) *bulkSocket { return &bulkSocket{Conn: c, raw: rawConn(c)} }
+
+func (s *bulkSocket) Write(b []byte) (int, error) {
+	if h := s.hold.Load(); h != nil {
+		return h.p.writeRaw(s.raw, [][]byte{b}, &h.held)
+	}
+	return s.Conn.Write(b)
 }
 
 // consumed is bufs without their first n bytes.

@@ -522,18 +522,35 @@ func TestBulkConcurrencyAcrossPeers(t *testing.T) {
 	})
 }
 
-// Issue 12: over a real TCP socket, a block write gives its bulk token
-// back as soon as the socket is full, not after bulkSlice: with one token
-// and a peer that stops reading, a second peer's blocks still go out.
-// Real sockets and real time: the bound below (5 s) is what fails when
-// the stalled write keeps its token (until data_idle_timeout, a minute).
+// Issue 12: over a real TCP socket, and over TLS on one, a block write
+// gives its bulk token back as soon as the socket is full, not after
+// bulkSlice: with one token and a peer that stops reading, a second
+// peer's blocks still go out. Real sockets and real time: the bound below
+// (5 s) is what fails when the stalled write keeps its token (until
+// data_idle_timeout, a minute), bulkSlice set beyond it so that the
+// fallback's give-back cannot pass for the socket's.
 func TestBulkTokenNotHeldWhileSocketFull(t *testing.T) {
+	defer func(d time.Duration) { bulkSlice = d }(bulkSlice)
+	bulkSlice = time.Hour
+	ca := newTestCA(t, "ca")
+	for _, tc := range []struct {
+		name       string
+		prod, cons Network
+	}{
+		{"tcp", TCP{}, TCP{}},
+		{"tls", ca.network("prod", 5*time.Second), ca.network("cons", 5*time.Second)},
+	} {
+		t.Run(tc.name, func(t *testing.T) { bulkSocketFull(t, tc.prod, tc.cons) })
+	}
+}
+
+func bulkSocketFull(t *testing.T, prodNet, consNet Network) {
 	nd := newNode(t, newMemNet(), nil, 64)
-	p := NewTCPPlane(nd.m.Arena(), TCP{}, TCPPlaneConfig{Conns: 1, IdleTimeout: time.Minute, Bulk: 1}, slog.New(slog.DiscardHandler))
+	p := NewTCPPlane(nd.m.Arena(), prodNet, TCPPlaneConfig{Conns: 1, IdleTimeout: time.Minute, Bulk: 1}, slog.New(slog.DiscardHandler))
 	defer p.Close()
 	accepted := map[string]chan net.Conn{}
 	for _, peer := range []string{"a", "b"} {
-		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		ln, err := consNet.Listen("127.0.0.1:0")
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -544,10 +561,20 @@ func TestBulkTokenNotHeldWhileSocketFull(t *testing.T) {
 		ch := make(chan net.Conn, 1)
 		accepted[peer] = ch
 		go func() {
-			if c, err := ln.Accept(); err == nil {
-				c.(*net.TCPConn).SetReadBuffer(4096)
-				ch <- c
+			c, err := ln.Accept()
+			if err != nil {
+				return
 			}
+			tcp := c
+			if tc, ok := c.(*tlsConn); ok {
+				tcp = tc.raw
+				if tc.handshake() != nil { // the dial waits for it; then nothing is read
+					c.Close()
+					return
+				}
+			}
+			tcp.(*net.TCPConn).SetReadBuffer(4096)
+			ch <- c
 		}()
 	}
 	pairs := make([]SlotPair, 4096) // more than the stalled socket's buffers take
@@ -580,6 +607,9 @@ func TestBulkTokenNotHeldWhileSocketFull(t *testing.T) {
 	stalled.Close()
 	if err := <-aDone; err == nil {
 		t.Error("the stalled peer's blocks reported sent")
+	}
+	if n := len(p.bulk); n != 0 {
+		t.Errorf("%d bulk tokens still held after both writes ended", n)
 	}
 }
 

@@ -852,8 +852,8 @@ func (t *Tier) Stats() []offload.Stat {
 	}
 	if tp, ok := t.dp.(*TCPPlane); ok {
 		st = append(st,
-			offload.Stat{Name: "kv_offload_p2p_bulk_waits_total", Type: "counter", Help: "Block writes that waited for one of the bulk_concurrency tokens.", Value: float64(tp.bulkWaits.Load())},
-			offload.Stat{Name: "kv_offload_p2p_bulk_yields_total", Type: "counter", Help: "Block writes that gave their bulk token back before they ended, to wait for the peer to read: its socket was full (over TLS: after 10 ms).", Value: float64(tp.bulkYields.Load())})
+			offload.Stat{Name: "kv_offload_p2p_bulk_waits_total", Type: "counter", Help: "Times a block write waited for one of the bulk_concurrency tokens.", Value: float64(tp.bulkWaits.Load())},
+			offload.Stat{Name: "kv_offload_p2p_bulk_yields_total", Type: "counter", Help: "Block writes that gave their bulk token back before they ended, to wait for the peer to read: its socket was full.", Value: float64(tp.bulkYields.Load())})
 	}
 	return st
 }

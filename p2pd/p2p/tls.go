@@ -124,14 +124,15 @@ func (n *tlsNetwork) Dial(ctx context.Context, addr string) (net.Conn, error) {
 	if err != nil {
 		return nil, err
 	}
-	tc := tls.Client(raw, n.client)
+	sock := newBulkSocket(raw)
+	tc := tls.Client(sock, n.client)
 	// On ctx's end the handshake closes raw, so this wait is bounded by ctx.
 	if err := tc.HandshakeContext(ctx); err != nil {
 		raw.Close()
 		return nil, fmt.Errorf("p2p: TLS handshake with %s: %w", addr, err)
 	}
 	n.log.Debug("p2p: TLS peer verified", "remote", raw.RemoteAddr(), "peer", identity(leaf(tc)))
-	c := &tlsConn{Conn: tc, raw: raw, n: n}
+	c := &tlsConn{Conn: tc, raw: raw, sock: sock, n: n}
 	c.shook.Store(true)
 	return c, nil
 }
@@ -147,7 +148,8 @@ func (l *tlsListener) Accept() (net.Conn, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &tlsConn{Conn: tls.Server(raw, l.n.server), raw: raw, n: l.n}, nil
+	sock := newBulkSocket(raw)
+	return &tlsConn{Conn: tls.Server(sock, l.n.server), raw: raw, sock: sock, n: l.n}, nil
 }
 
 // tlsConn is a TLS connection whose first Read or Write finishes the
@@ -156,6 +158,7 @@ func (l *tlsListener) Accept() (net.Conn, error) {
 type tlsConn struct {
 	*tls.Conn
 	raw   net.Conn
+	sock  *bulkSocket // raw, as TLS writes to it (bulk.go)
 	n     *tlsNetwork
 	shook atomic.Bool
 }
