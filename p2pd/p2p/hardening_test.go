@@ -585,13 +585,7 @@ func bulkSocketFull(t *testing.T, prodNet, consNet Network) {
 	p.Write("a", 1, pairs, func(err error) { aDone <- err })
 	stalled := <-accepted["a"] // never read
 	defer stalled.Close()
-	deadline := time.Now().Add(5 * time.Second)
-	for p.bulkYields.Load() == 0 { // a's writer met the full socket
-		if time.Now().After(deadline) {
-			t.Fatal("the stalled peer's socket never filled")
-		}
-		time.Sleep(time.Millisecond)
-	}
+	waitFor(t, "the stalled peer's socket never filled", func() bool { return p.bulkYields.Load() > 0 })
 	p.Write("b", 1, pairs[:4], func(err error) { bDone <- err })
 	c := <-accepted["b"]
 	defer c.Close()
