@@ -5,6 +5,7 @@ import (
 	"net"
 	"os"
 	"runtime"
+	"sync"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -59,7 +60,8 @@ func lowered(nice int, fn func()) {
 // ones) holds its token at most: past it, the write is
 // waiting for a slow or stalled peer, not for a CPU, and gives the token
 // back so that it holds back no other peer's blocks. A variable so a
-// test can tell the exact give-back of sockets from it.
+// test can tell the exact give-back of sockets from it; a plane reads it
+// when it is made.
 var bulkSlice = 10 * time.Millisecond
 
 // takeBulk waits for a bulk token. The wait is bounded: every holder
@@ -89,7 +91,7 @@ func (p *TCPPlane) takeBulkFor() (give func()) {
 		}
 		return false
 	}
-	t := time.AfterFunc(bulkSlice, func() {
+	t := time.AfterFunc(p.slice, func() {
 		if back() {
 			p.bulkYields.Add(1)
 		}
@@ -110,21 +112,25 @@ func (p *TCPPlane) writeBlock(c net.Conn, hdr, block []byte, crc uint32) error {
 	binary.BigEndian.PutUint32(trailer[:], crc)
 	bufs := [][]byte{hdr, block, trailer[:]}
 	if raw := rawConn(c); raw != nil {
-		var held bool
-		_, err := p.writeRaw(raw, bufs, &held)
-		if held {
+		var st rawWrite
+		_, err := p.writeRaw(raw, bufs, &st)
+		if st.held {
 			p.giveBulk()
 		}
 		return err
 	}
 	if tc, ok := c.(*tlsConn); ok && tc.sock.raw != nil {
 		p.takeBulk()
-		h := &bulkHold{p: p, held: true}
+		h := &bulkHold{p: p, st: rawWrite{held: true}}
 		tc.sock.hold.Store(h)
 		nb := net.Buffers(bufs)
 		_, err := nb.WriteTo(c)
 		tc.sock.hold.Store(nil)
-		if h.held {
+		h.mu.Lock()
+		h.done = true // a Write that loaded h late writes without it
+		held := h.st.held
+		h.mu.Unlock()
+		if held {
 			p.giveBulk()
 		}
 		return err
@@ -149,26 +155,32 @@ func rawConn(c net.Conn) syscall.RawConn {
 	return raw
 }
 
-// writeRaw writes bufs to the socket raw, holding a token (*held says
+// rawWrite is the state of one block's write through writeRaw, over
+// however many calls (TLS makes one a record).
+type rawWrite struct {
+	held   bool // it holds a token
+	waited bool // it gave one back to wait for room (counted once a block)
+}
+
+// writeRaw writes bufs to the socket raw, holding a token (st.held says
 // whether it holds one) while the kernel takes bytes: when the socket is
 // full it gives the token back and the poller waits for room without
 // one. It never waits for a token inside the socket's write lock, which a
 // Close of the connection would wait behind. It returns the bytes
 // written.
-func (p *TCPPlane) writeRaw(raw syscall.RawConn, bufs [][]byte, held *bool) (int, error) {
+func (p *TCPPlane) writeRaw(raw syscall.RawConn, bufs [][]byte, st *rawWrite) (int, error) {
 	var werr error
-	waited := false
 	written := 0
 	for len(bufs) > 0 && werr == nil {
-		if !*held {
+		if !st.held {
 			p.takeBulk()
-			*held = true
+			st.held = true
 		}
 		err := raw.Write(func(fd uintptr) bool {
-			if !*held {
+			if !st.held {
 				select {
 				case p.bulk <- struct{}{}:
-					*held = true
+					st.held = true
 				default:
 					return true // to wait for one outside the write lock
 				}
@@ -179,12 +191,12 @@ func (p *TCPPlane) writeRaw(raw syscall.RawConn, bufs [][]byte, held *bool) (int
 				case err == unix.EINTR:
 					continue
 				case err == unix.EAGAIN:
-					if !waited {
-						waited = true
+					if !st.waited {
+						st.waited = true
 						p.bulkYields.Add(1)
 					}
 					p.giveBulk()
-					*held = false
+					st.held = false
 					return false // the poller waits for room, without a token
 				case err != nil:
 					werr = os.NewSyscallError("writev", err)
@@ -212,17 +224,25 @@ type bulkSocket struct {
 	hold atomic.Pointer[bulkHold]
 }
 
-// bulkHold is a block write's token over TLS: held while it has one.
+// bulkHold is a block write's token over TLS. mu orders the records'
+// writes with the block's end (done), after which a Write of another
+// goroutine that loaded the hold late takes no token nobody gives back.
 type bulkHold struct {
 	p    *TCPPlane
-	held bool
+	mu   sync.Mutex
+	st   rawWrite
+	done bool
 }
 
 func newBulkSocket(c net.Conn) *bulkSocket { return &bulkSocket{Conn: c, raw: rawConn(c)} }
 
 func (s *bulkSocket) Write(b []byte) (int, error) {
 	if h := s.hold.Load(); h != nil {
-		return h.p.writeRaw(s.raw, [][]byte{b}, &h.held)
+		h.mu.Lock()
+		defer h.mu.Unlock()
+		if !h.done {
+			return h.p.writeRaw(s.raw, [][]byte{b}, &h.st)
+		}
 	}
 	return s.Conn.Write(b)
 }

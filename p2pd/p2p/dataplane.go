@@ -92,6 +92,7 @@ type TCPPlane struct {
 	writes   map[roundKey][]*write
 	wg       sync.WaitGroup
 	bulk     chan struct{} // the bulk tokens: one held by each block write in progress
+	slice    time.Duration // bulkSlice when the plane was made
 
 	bulkWaits, bulkYields atomic.Uint64 // block writes that waited for a token; that gave theirs back to wait for the peer
 }
@@ -230,7 +231,7 @@ func NewTCPPlane(arena *offload.Arena, n Network, cfg TCPPlaneConfig, log *slog.
 	if cfg.Bulk <= 0 {
 		cfg.Bulk = max(1, runtime.GOMAXPROCS(0)-1)
 	}
-	return &TCPPlane{arena: arena, net: n, cfg: cfg, log: log, bulk: make(chan struct{}, cfg.Bulk),
+	return &TCPPlane{arena: arena, net: n, cfg: cfg, log: log, bulk: make(chan struct{}, cfg.Bulk), slice: bulkSlice,
 		peers: make(map[string]*tcpPeer), expect: make(map[roundKey]*expectation), dead: make(map[roundKey]bool),
 		writes: make(map[roundKey][]*write)}
 }
