@@ -205,7 +205,8 @@ func tlsPair(t *testing.T, buf int) (w, r *tlsConn) {
 	return wc, rc
 }
 
-// A TLS block write that times out on a stalled peer gives its token back.
+// A TLS block write that times out on a stalled peer ends holding no
+// token and leaves no hold on its socket (a later write would use it).
 func TestTLSWriteErrorGivesTokenBack(t *testing.T) {
 	p := rawPlane(t)
 	w, _ := tlsPair(t, 4096)
