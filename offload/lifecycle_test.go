@@ -105,3 +105,63 @@ func TestNoProbeAfterEnd(t *testing.T) {
 		})
 	}
 }
+
+// servingTier registers a request of its own in Serve, as the P2P tier
+// does for a peer's lookup, and keeps the EngineBusy it was given.
+type servingTier struct {
+	nullTier
+	busy  func() bool
+	serve *Request // registered at the next Serve
+}
+
+func (t *servingTier) Serve(p Parent) error {
+	if t.serve != nil {
+		p.OnNewRequest(t.serve)
+		t.serve = nil
+	}
+	return nil
+}
+
+// Issue 12: EngineBusy (the P2P tier's bulk_concurrency default) says
+// whether the engine has requests of its own in flight: from a step's
+// OnNewRequest until the request is finalized — finished with no store
+// pending, or aborted — and never for a request a tier registered.
+func TestEngineBusy(t *testing.T) {
+	st := &servingTier{}
+	m := testManager(t, 4, TierSpec{Name: "peer", Locality: Remote, New: func(env TierEnv) (Tier, error) {
+		st.busy = env.EngineBusy
+		return st, nil
+	}})
+	check := func(when string, want bool) {
+		t.Helper()
+		if got := st.busy(); got != want || m.EngineBusy() != want {
+			t.Errorf("%s: EngineBusy %v (the tier's %v), want %v", when, m.EngineBusy(), got, want)
+		}
+	}
+	check("new", false)
+	st.serve = &Request{ID: "peer-lookup"}
+	m.Do(func(s *Step) {}) // a step services the tier
+	if st.serve != nil {
+		t.Fatal("the tier was not served")
+	}
+	check("a tier's request registered", false)
+
+	a, b := &Request{ID: "a"}, &Request{ID: "b"}
+	m.Do(func(s *Step) { s.OnNewRequest(a); s.OnNewRequest(b) })
+	check("two requests", true)
+	m.Do(func(s *Step) { s.Abort(a) })
+	check("one aborted", true)
+	var plan *StorePlan
+	m.Do(func(s *Step) {
+		var err error
+		if plan, err = s.PrepareStore(testKeys(1), b); err != nil {
+			t.Fatal(err)
+		}
+		s.OnRequestFinished(b)
+	})
+	check("finished with a store pending", true)
+	m.Do(func(s *Step) { s.CompleteStore(plan.Keys, b, true) })
+	check("its store completed", false)
+	m.Do(func(s *Step) { s.Abort(a) })
+	check("aborted twice", false)
+}

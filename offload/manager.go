@@ -30,6 +30,7 @@ type Manager struct {
 	scrubbing    sync.WaitGroup // scrub batches reading the arena without the lock (Scrub); Close waits for them
 	probers      []Prober       // per secondary tier, the tier if it is one (set once built)
 	pollAlive    atomic.Bool    // the poll goroutine runs and services the polled tiers
+	engineReqs   atomic.Int32   // requests registered by a step and not yet finalized (TierEnv.EngineBusy)
 	polling      bool           // it services them at all (tier_poll_interval > 0 and a polled tier)
 	clock        clock          // the poll goroutine's timer, the manager's only one
 	events       eventHub       // S2.8; its own lock, taken after mu
@@ -132,7 +133,7 @@ func New(cfg Config, specs ...TierSpec) (*Manager, error) {
 	for i, s := range specs {
 		var t Tier
 		env := TierEnv{Index: i, Wake: m.wakeFor(i), WakeAt: m.tierWakeAt(i), Now: m.now, Progress: m.signalProgress, Emit: m.emitter(s.Name),
-			Arena: arena, Logger: log.With("tier", s.Name), Fingerprint: cfg.Fingerprint()}
+			EngineBusy: m.EngineBusy, Arena: arena, Logger: log.With("tier", s.Name), Fingerprint: cfg.Fingerprint()}
 		if perr := m.tierCall(i, "new", func() { t, err = s.New(env) }); perr != nil {
 			err = perr
 		}

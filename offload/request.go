@@ -12,6 +12,7 @@ type reqState struct {
 	req           *Request
 	pendingStores int
 	finished      bool
+	engine        bool  // registered by a step, not by a tier (EngineBusy)
 	requestLevel  []int // tiers that asked for RequestLevel, ascending
 	parked        []Key // cascade keys still writing in the CPU tier
 	sources       map[Key]int
@@ -41,8 +42,11 @@ func (m *Manager) onNewRequestLocked(req *Request, exclude int) (Level, error) {
 		m.misuseLocked("new request", "request_exists", err)
 		return ChunkLevel, err
 	}
-	st := &reqState{req: req}
+	st := &reqState{req: req, engine: exclude < 0}
 	m.mu.reqs[req.ID] = st
+	if st.engine {
+		m.engineReqs.Add(1)
+	}
 	req.st = st
 	lvl := ChunkLevel
 	for i, t := range m.mu.tiers {
@@ -59,6 +63,11 @@ func (m *Manager) onNewRequestLocked(req *Request, exclude int) (Level, error) {
 	}
 	return lvl, nil
 }
+
+// EngineBusy says whether the engine has requests of its own in flight:
+// registered by a step (not by a tier serving a peer) and not yet
+// finalized. Any goroutine may call it, without the lock.
+func (m *Manager) EngineBusy() bool { return m.engineReqs.Load() > 0 }
 
 // OnRequestFinished says req will make no new calls. The tiers see it
 // once its stores completed and no cascade is parked (S2.5). Stores and
@@ -93,6 +102,9 @@ func (m *Manager) maybeFinalizeLocked(st *reqState, exclude int) {
 
 func (m *Manager) finalizeLocked(st *reqState, exclude int) {
 	delete(m.mu.reqs, st.req.ID)
+	if st.engine {
+		m.engineReqs.Add(-1)
+	}
 	st.req.st = nil
 	// Promotions and probes queued for it in this pass are never handed
 	// over: the tiers hear of nothing for it after its end.

@@ -251,6 +251,11 @@ type TierEnv struct {
 	// goroutine, also with the tier's own lock held, and keeps nothing
 	// while nobody subscribed.
 	Emit func(Event)
+	// EngineBusy says whether the engine has requests of its own in
+	// flight (Manager.EngineBusy): a tier's bulk work can leave the
+	// engine a CPU meanwhile and take every CPU while it is idle. Any
+	// goroutine may call it; it takes no lock.
+	EngineBusy func() bool
 	// Arena is the CPU tier's memory, for zero-copy I/O into and out of
 	// slots. The tier must not touch slots it holds no job for.
 	Arena  *Arena

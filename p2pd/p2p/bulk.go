@@ -48,12 +48,82 @@ func lowered(nice int, fn func()) {
 }
 
 // Bulk writes across peers (issue 12: bulk transfer concurrency is
-// bounded): a block write holds one of the plane's bulk_concurrency
-// tokens while this node's CPU works on it, and none while it waits for
-// the peer to read. Reads take none: a reader holding one while it waited
-// for the peer's bytes serialized the fetches (B1 0.69 – 0.73 against
-// 0.95, docs/benchmarks.md); what a node reads is bounded by its peers'
-// writes.
+// bounded): a block write holds one of the plane's bulk tokens while this
+// node's CPU works on it, and none while it waits for the peer to read.
+// Reads take none: a reader holding one while it waited for the peer's
+// bytes serialized the fetches (B1 0.69 – 0.73 against 0.95,
+// docs/benchmarks.md); what a node reads is bounded by its peers' writes.
+
+// bulkGate is the plane's bulk tokens: n of them (bulk_concurrency), one
+// fewer (at least one) while busy reports true — the default leaves the
+// engine a CPU while it has requests of its own, and lets bulk writes
+// take every CPU while it has none (docs/benchmarks.md, issue 12,
+// eleventh steps). A limit that drops leaves the tokens already held
+// with their writes, each given back at its write's end or when its
+// socket fills; one that rises is seen at the next give (a waiter exists
+// only while every token is held).
+type bulkGate struct {
+	mu    sync.Mutex
+	cond  sync.Cond // a token was given back
+	held  int
+	n     int
+	busy  func() bool   // nil: never busy
+	waits atomic.Uint64 // takes that waited for a token, counted as they start to
+}
+
+func newBulkGate(n int, busy func() bool) *bulkGate {
+	g := &bulkGate{n: n, busy: busy}
+	g.cond.L = &g.mu
+	return g
+}
+
+// limitLocked is how many tokens may be held now.
+func (g *bulkGate) limitLocked() int {
+	if g.n > 1 && g.busy != nil && g.busy() {
+		return g.n - 1
+	}
+	return g.n
+}
+
+// tryTake takes a token if one is free; it never waits.
+func (g *bulkGate) tryTake() bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.held >= g.limitLocked() {
+		return false
+	}
+	g.held++
+	return true
+}
+
+// take waits for a token. The wait is bounded: every holder gives its
+// token back once the kernel stops taking its bytes, or after bulkSlice
+// (takeBulkFor), whichever comes first.
+func (g *bulkGate) take() {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.held >= g.limitLocked() {
+		g.waits.Add(1)
+	}
+	for g.held >= g.limitLocked() {
+		g.cond.Wait()
+	}
+	g.held++
+}
+
+func (g *bulkGate) give() {
+	g.mu.Lock()
+	g.held--
+	g.mu.Unlock()
+	g.cond.Broadcast()
+}
+
+// holding is how many tokens are held.
+func (g *bulkGate) holding() int {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.held
+}
 
 // bulkSlice is how long a write that cannot tell a wait from work (a
 // connection that is no socket nor TLS over one: the tests' in-memory
@@ -64,29 +134,15 @@ func lowered(nice int, fn func()) {
 // when it is made.
 var bulkSlice = 10 * time.Millisecond
 
-// takeBulk waits for a bulk token. The wait is bounded: every holder
-// gives its token back once the kernel stops taking its bytes, or after
-// bulkSlice (takeBulkFor), whichever comes first.
-func (p *TCPPlane) takeBulk() {
-	select {
-	case p.bulk <- struct{}{}:
-	default:
-		p.bulkWaits.Add(1)
-		p.bulk <- struct{}{}
-	}
-}
-
-func (p *TCPPlane) giveBulk() { <-p.bulk }
-
 // takeBulkFor takes a token for at most bulkSlice and returns the func
 // that gives it back if the slice has not.
 func (p *TCPPlane) takeBulkFor() (give func()) {
-	p.takeBulk()
+	p.bulk.take()
 	var held atomic.Bool
 	held.Store(true)
 	back := func() bool {
 		if held.CompareAndSwap(true, false) {
-			p.giveBulk()
+			p.bulk.give()
 			return true
 		}
 		return false
@@ -115,12 +171,12 @@ func (p *TCPPlane) writeBlock(c net.Conn, hdr, block []byte, crc uint32) error {
 		var st rawWrite
 		_, err := p.writeRaw(raw, bufs, &st)
 		if st.held {
-			p.giveBulk()
+			p.bulk.give()
 		}
 		return err
 	}
 	if tc, ok := c.(*tlsConn); ok && tc.sock.raw != nil {
-		p.takeBulk()
+		p.bulk.take()
 		h := &bulkHold{p: p, st: rawWrite{held: true}}
 		tc.sock.hold.Store(h)
 		nb := net.Buffers(bufs)
@@ -131,7 +187,7 @@ func (p *TCPPlane) writeBlock(c net.Conn, hdr, block []byte, crc uint32) error {
 		held := h.st.held
 		h.mu.Unlock()
 		if held {
-			p.giveBulk()
+			p.bulk.give()
 		}
 		return err
 	}
@@ -173,17 +229,15 @@ func (p *TCPPlane) writeRaw(raw syscall.RawConn, bufs [][]byte, st *rawWrite) (i
 	written := 0
 	for len(bufs) > 0 && werr == nil {
 		if !st.held {
-			p.takeBulk()
+			p.bulk.take()
 			st.held = true
 		}
 		err := raw.Write(func(fd uintptr) bool {
 			if !st.held {
-				select {
-				case p.bulk <- struct{}{}:
-					st.held = true
-				default:
+				if !p.bulk.tryTake() {
 					return true // to wait for one outside the write lock
 				}
+				st.held = true
 			}
 			for len(bufs) > 0 {
 				n, err := unix.Writev(int(fd), bufs)
@@ -195,7 +249,7 @@ func (p *TCPPlane) writeRaw(raw syscall.RawConn, bufs [][]byte, st *rawWrite) (i
 						st.waited = true
 						p.bulkYields.Add(1)
 					}
-					p.giveBulk()
+					p.bulk.give()
 					st.held = false
 					return false // the poller waits for room, without a token
 				case err != nil:

@@ -5,8 +5,13 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"runtime"
+	"sync/atomic"
 	"testing"
+	"testing/synctest"
 	"time"
+
+	"github.com/kvtier/kvtier/offload"
 )
 
 // Issue 12: the bulk token on the socket path of writeBlock, over real
@@ -67,16 +72,16 @@ func TestRawWriteTakesAToken(t *testing.T) {
 	p := rawPlane(t)
 	w, r := rawPair(t, 0)
 	go io.Copy(io.Discard, r)
-	p.bulk <- struct{}{} // the only token, held by another write
+	p.bulk.take() // the only token, held by another write
 	done := make(chan error, 1)
 	go func() { done <- p.writeBlock(w, []byte{1, 2, 3}, make([]byte, 4096), 7) }()
-	waitFor(t, "the write never waited for the token", func() bool { return p.bulkWaits.Load() == 1 })
+	waitFor(t, "the write never waited for the token", func() bool { return p.bulk.waits.Load() == 1 })
 	select {
 	case err := <-done:
 		t.Fatalf("a block went out with no token free (%v)", err)
 	default:
 	}
-	<-p.bulk
+	p.bulk.give()
 	select {
 	case err := <-done:
 		if err != nil {
@@ -85,8 +90,8 @@ func TestRawWriteTakesAToken(t *testing.T) {
 	case <-time.After(5 * time.Second):
 		t.Fatal("the block waited after the token was free")
 	}
-	if len(p.bulk) != 0 {
-		t.Errorf("%d tokens held after the write", len(p.bulk))
+	if p.bulk.holding() != 0 {
+		t.Errorf("%d tokens held after the write", p.bulk.holding())
 	}
 }
 
@@ -98,7 +103,7 @@ func TestRawWriteErrorGivesTokenBack(t *testing.T) {
 	if err := p.writeBlock(w, []byte{1}, big, 0); err == nil {
 		t.Fatal("a 16 MiB block went into a socket nobody reads")
 	}
-	if n := len(p.bulk); n != 0 {
+	if n := p.bulk.holding(); n != 0 {
 		t.Fatalf("%d tokens held after a write deadline expired", n)
 	}
 	w2, r2 := rawPair(t, 4096)
@@ -115,7 +120,7 @@ func TestRawWriteErrorGivesTokenBack(t *testing.T) {
 	case <-time.After(5 * time.Second):
 		t.Fatal("the write did not end on the peer's reset")
 	}
-	if n := len(p.bulk); n != 0 {
+	if n := p.bulk.holding(); n != 0 {
 		t.Fatalf("%d tokens held after a write failed", n)
 	}
 }
@@ -126,7 +131,7 @@ func TestRawWriteWaitsForTokenOutsideLock(t *testing.T) {
 	done := make(chan error, 1)
 	go func() { done <- p.writeBlock(w, []byte{1}, make([]byte, 64<<20), 0) }()
 	waitFor(t, "the socket never filled", func() bool { return p.bulkYields.Load() >= 1 })
-	p.bulk <- struct{}{} // another write holds the only token now
+	p.bulk.take() // another write holds the only token now
 	// Make room: the writer wakes, finds no token and waits for one.
 	buf := make([]byte, 1<<16)
 	r.SetReadDeadline(time.Now().Add(200 * time.Millisecond))
@@ -138,7 +143,7 @@ func TestRawWriteWaitsForTokenOutsideLock(t *testing.T) {
 		}
 	}
 
-	waitFor(t, "the writer never waited for a token", func() bool { return p.bulkWaits.Load() >= 1 })
+	waitFor(t, "the writer never waited for a token", func() bool { return p.bulk.waits.Load() >= 1 })
 	closed := make(chan struct{})
 	go func() { w.Close(); close(closed) }()
 	select {
@@ -146,7 +151,7 @@ func TestRawWriteWaitsForTokenOutsideLock(t *testing.T) {
 	case <-time.After(2 * time.Second):
 		t.Error("Close of the connection waited for a bulk token (the writer waits for one inside the write lock)")
 	}
-	<-p.bulk
+	p.bulk.give()
 	select {
 	case err := <-done:
 		if err == nil {
@@ -156,7 +161,7 @@ func TestRawWriteWaitsForTokenOutsideLock(t *testing.T) {
 		t.Fatal("the write did not end after its connection closed")
 	}
 	<-closed
-	if n := len(p.bulk); n != 0 {
+	if n := p.bulk.holding(); n != 0 {
 		t.Fatalf("%d tokens held", n)
 	}
 }
@@ -214,7 +219,7 @@ func TestTLSWriteErrorGivesTokenBack(t *testing.T) {
 	if err := p.writeBlock(w, []byte{1}, make([]byte, 16<<20), 0); err == nil {
 		t.Fatal("16 MiB into a socket nobody reads")
 	}
-	if n := len(p.bulk); n != 0 {
+	if n := p.bulk.holding(); n != 0 {
 		t.Fatalf("%d tokens held", n)
 	}
 	if w.sock.hold.Load() != nil {
@@ -243,7 +248,74 @@ func TestTLSWriteYieldsOnceABlock(t *testing.T) {
 	if n := p.bulkYields.Load(); n != 1 {
 		t.Errorf("one block write to a slow reader counted %d bulk yields, want 1", n)
 	}
-	if n := len(p.bulk); n != 0 {
+	if n := p.bulk.holding(); n != 0 {
 		t.Fatalf("%d tokens held", n)
+	}
+}
+
+// Issue 12: the gate holds bulk writes to n tokens, and to one fewer (but
+// never none) while the engine is busy; a waiter takes a token when one
+// is given back, the limit read again then.
+func TestBulkGateLeavesACoreWhileEngineBusy(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		var busy atomic.Bool
+		g := newBulkGate(2, busy.Load)
+		if !g.tryTake() || !g.tryTake() {
+			t.Fatal("an idle engine's gate refused one of its two tokens")
+		}
+		if g.tryTake() {
+			t.Fatal("a third token of two")
+		}
+		g.give()
+		g.give()
+		busy.Store(true)
+		if !g.tryTake() {
+			t.Fatal("a busy engine's gate refused its first token")
+		}
+		if g.tryTake() {
+			t.Fatal("a busy engine's gate gave bulk its last CPU")
+		}
+		took := make(chan struct{})
+		go func() { g.take(); close(took) }()
+		synctest.Wait()
+		select {
+		case <-took:
+			t.Fatal("take did not wait while the engine was busy")
+		default:
+		}
+		busy.Store(false)
+		g.give()
+		<-took
+		if w, h := g.waits.Load(), g.holding(); w != 1 || h != 1 {
+			t.Errorf("after the give: %d waits, %d held; want 1, 1", w, h)
+		}
+		one := newBulkGate(1, func() bool { return true })
+		if !one.tryTake() {
+			t.Error("a one-token gate refused its token while the engine was busy")
+		}
+	})
+}
+
+// Issue 12: bulk_concurrency 0 is GOMAXPROCS tokens, one fewer while the
+// manager's engine has requests (the tier passes its EngineBusy); a
+// configured value is fixed.
+func TestBulkDefault(t *testing.T) {
+	nd := newNode(t, newMemNet(), nil, 4)
+	p := nd.tier.dp.(*TCPPlane)
+	if p.bulk.n != runtime.GOMAXPROCS(0) || p.bulk.busy == nil {
+		t.Fatalf("default: %d tokens, busy %v; want GOMAXPROCS (%d) and the manager's", p.bulk.n, p.bulk.busy != nil, runtime.GOMAXPROCS(0))
+	}
+	req := &offload.Request{ID: "engine"}
+	nd.m.Do(func(s *offload.Step) { s.OnNewRequest(req) })
+	if !p.bulk.busy() {
+		t.Error("the plane did not see the engine's request")
+	}
+	nd.m.Do(func(s *offload.Step) { s.OnRequestFinished(req) })
+	if p.bulk.busy() {
+		t.Error("the plane saw the engine busy after its request finished")
+	}
+	fixed := newNode(t, newMemNet(), func(c *Config) { c.BulkConcurrency = 3 }, 4).tier.dp.(*TCPPlane)
+	if fixed.bulk.n != 3 || fixed.bulk.busy != nil {
+		t.Errorf("bulk_concurrency 3: %d tokens, busy %v; want 3, none", fixed.bulk.n, fixed.bulk.busy != nil)
 	}
 }

@@ -69,10 +69,11 @@ type Config struct {
 	// its goroutine waits for the socket, 10–12 % of B1 on two cores, and
 	// B2 was met without it (docs/benchmarks.md, issue 12).
 	DataNice int `json:"data_nice"`
-	// BulkConcurrency bounds the blocks this node's TCP data plane copies
-	// at once, across every peer and both directions; 0: GOMAXPROCS − 1,
-	// at least 1 (so bulk copies leave the engine, control frames and the
-	// admin API a CPU).
+	// BulkConcurrency bounds the blocks this node's TCP data plane writes
+	// at once, across every peer (reads take no token). 0: GOMAXPROCS,
+	// and one fewer (at least 1) while the engine has requests of its own
+	// in flight, so bulk writes leave it a CPU when it computes and take
+	// every CPU when only peers want them.
 	BulkConcurrency int `json:"bulk_concurrency"`
 	// DataIdleTimeout closes an inbound data connection that carried no
 	// block for this long (the producer dials again when it needs one),
@@ -163,7 +164,7 @@ func (c *Config) Validate() error {
 	case c.DataNice < 0 || c.DataNice > 19:
 		return fmt.Errorf("%w: data_nice: %d is not in [0, 19]", ErrConfig, c.DataNice)
 	case c.BulkConcurrency < 0 || c.BulkConcurrency > 1024:
-		return fmt.Errorf("%w: bulk_concurrency: %d is not in [0, 1024] (0: GOMAXPROCS − 1)", ErrConfig, c.BulkConcurrency)
+		return fmt.Errorf("%w: bulk_concurrency: %d is not in [0, 1024] (0: GOMAXPROCS, one fewer while the engine has requests)", ErrConfig, c.BulkConcurrency)
 	case c.MaxSessions < 1:
 		return fmt.Errorf("%w: max_sessions: %d is not positive", ErrConfig, c.MaxSessions)
 	case c.MaxHandshakes < 1:

@@ -91,10 +91,10 @@ type TCPPlane struct {
 	deadFIFO []roundKey        // dead in insertion order: the oldest go beyond maxDead
 	writes   map[roundKey][]*write
 	wg       sync.WaitGroup
-	bulk     chan struct{} // the bulk tokens: one held by each block write in progress
+	bulk     *bulkGate     // the bulk tokens: one held by each block write in progress
 	slice    time.Duration // bulkSlice when the plane was made
 
-	bulkWaits, bulkYields atomic.Uint64 // block writes that waited for a token; that gave theirs back to wait for the peer
+	bulkYields atomic.Uint64 // block writes that gave their token back to wait for the peer
 }
 
 // TCPPlaneConfig configures a TCP data plane.
@@ -116,8 +116,13 @@ type TCPPlaneConfig struct {
 	// of its own at this nice value (0: as the process).
 	Nice int
 	// Bulk bounds the blocks written at once, across every peer
-	// (bulk_concurrency); 0: GOMAXPROCS − 1, at least 1.
+	// (bulk_concurrency). 0: GOMAXPROCS, one fewer (at least 1) while
+	// EngineBusy reports true.
 	Bulk int
+	// EngineBusy says whether the node's engine has requests in flight
+	// (offload.TierEnv.EngineBusy); nil: never. Only the default Bulk
+	// reads it.
+	EngineBusy func() bool
 }
 
 // maxDead bounds the cancelled rounds whose stray blocks are drained
@@ -228,10 +233,11 @@ func NewTCPPlane(arena *offload.Arena, n Network, cfg TCPPlaneConfig, log *slog.
 	if cfg.MaxIn < cfg.Conns {
 		cfg.MaxIn = 4 * cfg.Conns
 	}
+	bulk := newBulkGate(cfg.Bulk, nil)
 	if cfg.Bulk <= 0 {
-		cfg.Bulk = max(1, runtime.GOMAXPROCS(0)-1)
+		bulk = newBulkGate(runtime.GOMAXPROCS(0), cfg.EngineBusy)
 	}
-	return &TCPPlane{arena: arena, net: n, cfg: cfg, log: log, bulk: make(chan struct{}, cfg.Bulk), slice: bulkSlice,
+	return &TCPPlane{arena: arena, net: n, cfg: cfg, log: log, bulk: bulk, slice: bulkSlice,
 		peers: make(map[string]*tcpPeer), expect: make(map[roundKey]*expectation), dead: make(map[roundKey]bool),
 		writes: make(map[roundKey][]*write)}
 }

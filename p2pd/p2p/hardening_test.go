@@ -512,7 +512,7 @@ func TestBulkConcurrencyAcrossPeers(t *testing.T) {
 		if err := <-done["b"]; err != nil || time.Since(start) != bulkSlice {
 			t.Errorf("the second peer's block: %v after %v, want it sent after bulkSlice (%v)", err, time.Since(start), bulkSlice)
 		}
-		if w, s := p.bulkWaits.Load(), p.bulkYields.Load(); w != 1 || s != 1 {
+		if w, s := p.bulk.waits.Load(), p.bulkYields.Load(); w != 1 || s != 1 {
 			t.Errorf("bulk waits %d, slow writes %d; want 1 and 1", w, s)
 		}
 		stalled.Close()
@@ -602,7 +602,7 @@ func bulkSocketFull(t *testing.T, prodNet, consNet Network) {
 	if err := <-aDone; err == nil {
 		t.Error("the stalled peer's blocks reported sent")
 	}
-	if n := len(p.bulk); n != 0 {
+	if n := p.bulk.holding(); n != 0 {
 		t.Errorf("%d bulk tokens still held after both writes ended", n)
 	}
 }

@@ -330,7 +330,7 @@ func New(cfg Config, node offload.Config, n Network, env offload.TierEnv) (*Tier
 			break
 		}
 		t.dp = NewTCPPlane(env.Arena, n, TCPPlaneConfig{Conns: cfg.DataConns, MaxIn: cfg.MaxDataConns,
-			IdleTimeout: time.Duration(cfg.DataIdleTimeout), Auth: t.authData, HandshakeTimeout: time.Duration(cfg.HandshakeTimeout), Nice: cfg.DataNice, Bulk: cfg.BulkConcurrency}, log)
+			IdleTimeout: time.Duration(cfg.DataIdleTimeout), Auth: t.authData, HandshakeTimeout: time.Duration(cfg.HandshakeTimeout), Nice: cfg.DataNice, Bulk: cfg.BulkConcurrency, EngineBusy: env.EngineBusy}, log)
 	}
 	t.hs = &handshaker{Shaker: protocol.Shaker{Self: peerID{Node: t.self.NodeID, Inc: t.self.Incarnation}, Token: []byte(cfg.ClusterToken),
 		Connect: wire.Connect{NodeID: t.self.NodeID, Incarnation: t.self.Incarnation, Version: wire.Version,
@@ -852,7 +852,7 @@ func (t *Tier) Stats() []offload.Stat {
 	}
 	if tp, ok := t.dp.(*TCPPlane); ok {
 		st = append(st,
-			offload.Stat{Name: "kv_offload_p2p_bulk_waits_total", Type: "counter", Help: "Times a block write waited for one of the bulk_concurrency tokens.", Value: float64(tp.bulkWaits.Load())},
+			offload.Stat{Name: "kv_offload_p2p_bulk_waits_total", Type: "counter", Help: "Times a block write waited for one of the bulk_concurrency tokens.", Value: float64(tp.bulk.waits.Load())},
 			offload.Stat{Name: "kv_offload_p2p_bulk_yields_total", Type: "counter", Help: "Block writes that gave their bulk token back before they ended, to wait for the peer to read: its socket was full.", Value: float64(tp.bulkYields.Load())})
 	}
 	return st

@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"io"
 	"net"
-	"runtime"
 	"slices"
 	"sync"
 	"testing"
@@ -41,16 +40,6 @@ func BenchmarkFetchTLS(b *testing.B) {
 // target is within 5 % of BenchmarkFetch's x-plain.
 func BenchmarkFetchToken(b *testing.B) {
 	benchFetch(b, func(string) func(*p2p.Config) { return func(c *p2p.Config) { c.ClusterToken = "bench-token" } })
-}
-
-// BenchmarkFetchBulkAll is BenchmarkFetch with bulk_concurrency at
-// GOMAXPROCS instead of the default's GOMAXPROCS − 1: what the core the
-// default leaves for the engine costs B1a, where the two nodes share one
-// process's cores and no engine runs.
-func BenchmarkFetchBulkAll(b *testing.B) {
-	benchFetch(b, func(string) func(*p2p.Config) {
-		return func(c *p2p.Config) { c.BulkConcurrency = runtime.GOMAXPROCS(0) }
-	})
 }
 
 // benchFetch is B1a; tls, when not nil, gives each node's config edit.

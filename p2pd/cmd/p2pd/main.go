@@ -137,7 +137,7 @@ func flags(d node.Config) (*flag.FlagSet, func(cfg *node.Config, set map[string]
 		dialect    = fs.String("p2p-dialect", d.Dialect, "P2P wire: kvtier, or vllm (vLLM's G2 P2P wire; needs -hash-algo vllm-sha256-cbor with vLLM's -hash-seed, and -p2p-listen naming a host or -p2p-advertise host:port; docs/vllm.md)")
 		dataConns  = fs.Int("data-conns", d.DataConns, "TCP data connections per peer")
 		dataNice   = fs.Int("data-nice", d.DataNice, "nice value (0-19) of the threads moving block bytes")
-		bulk       = fs.Int("bulk-concurrency", d.BulkConcurrency, "blocks copied at once across all peers (0: GOMAXPROCS-1)")
+		bulk       = fs.Int("bulk-concurrency", d.BulkConcurrency, "blocks written at once across all peers (0: GOMAXPROCS, one fewer while the engine has requests)")
 		kvEvents   = fs.String("kv-events-endpoint", d.KVEventsEndpoint, "publish KV events in vLLM's format on a ZMQ PUB socket bound here (host:port; needs -hash-algo vllm-sha256-cbor)")
 		kvTopic    = fs.String("kv-events-topic", d.KVEventsTopic, "the topic of vLLM-format KV events")
 		evHistory  = fs.Int("event-history", d.EventHistory, "events kept for /v0/events readers that resume or fall behind")
