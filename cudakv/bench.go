@@ -122,7 +122,6 @@ type baseliner interface {
 	// engines (engine: "per-segment" or "batched").
 	hybrid(m *Mover, pairs []Pair, kernelStores bool, engine string, reps int) (time.Duration, error)
 	setGrid(ctas, threads int)
-	setChecksums(on bool)
 }
 
 // timeMedian runs f three times to warm up, then reps times, and returns
@@ -205,28 +204,26 @@ func benchMover(m *Mover, pairs []Pair, grids []grid, baselines []string, reps, 
 				bl.setGrid(g.ctas, g.threads)
 			}
 			if !isCUDA {
-				d, err := timeMedian(reps, func() error { return m.move(store, pairs) })
+				d, err := timeMedian(reps, func() error { return m.move(store, false, pairs) })
 				if err != nil {
 					return nil, err
 				}
 				out = append(out, BenchPoint{Direction: dir, Engine: "host", GBps: gbps(bytes, d), Ratio: ratio(ceiling, d)})
 				continue
 			}
-			// The kernel without and (stores) with its checksums, side by
-			// side at each grid.
+			// The kernel without and with its checksums, side by side at
+			// each grid.
 			for _, sum := range []bool{false, true} {
-				if sum && !store {
-					break
-				}
-				bl.setChecksums(sum)
-				d, err := timeMedian(reps, func() error { return m.move(store, pairs) })
-				bl.setChecksums(m.spec.Checksums)
+				d, err := timeMedian(reps, func() error { return m.move(store, sum, pairs) })
 				if err != nil {
 					return nil, err
 				}
 				p := BenchPoint{Direction: dir, Engine: "kernel", CTAs: g.ctas, Threads: g.threads, GBps: gbps(bytes, d), Ratio: ratio(ceiling, d)}
 				if sum {
 					p.Engine, p.Note = "kernel+crc", "kv_store_sum: the block checksums computed while copying"
+					if !store {
+						p.Note = "kv_load_sum: the block checksums computed while copying (a kv_digest off the load)"
+					}
 				}
 				out = append(out, p)
 			}
@@ -288,13 +285,20 @@ func benchMover(m *Mover, pairs []Pair, grids []grid, baselines []string, reps, 
 	return out, nil
 }
 
-// move stores or loads the pairs and waits.
-func (m *Mover) move(store bool, pairs []Pair) error {
+// move stores or loads the pairs, with or without the blocks' checksums,
+// and waits.
+func (m *Mover) move(store, sum bool, pairs []Pair) error {
 	var t *Ticket
 	var err error
-	if store {
+	switch {
+	case store:
+		on := m.spec.Checksums
+		m.spec.Checksums = sum
 		t, err = m.Store(pairs)
-	} else {
+		m.spec.Checksums = on
+	case sum:
+		t, err = m.LoadSummed(pairs)
+	default:
 		t, err = m.Load(pairs)
 	}
 	if err != nil {
@@ -304,7 +308,8 @@ func (m *Mover) move(store bool, pairs []Pair) error {
 }
 
 // verifyOnce fills the GPU blocks, stores (with checksums), and compares
-// the slots and their checksums: a benchmark of wrong copies is worthless.
+// the slots and their checksums, then loads them back with checksums and
+// compares those: a benchmark of wrong copies is worthless.
 func verifyOnce(m *Mover, pairs []Pair, stride int) error {
 	l := m.Layout()
 	bb := l.BlockBytes()
@@ -317,26 +322,35 @@ func verifyOnce(m *Mover, pairs []Pair, stride int) error {
 			return err
 		}
 	}
-	bl, isCUDA := m.backend.(baseliner)
-	if isCUDA {
-		bl.setChecksums(true)
-		defer bl.setChecksums(m.spec.Checksums)
-	}
+	on := m.spec.Checksums
+	m.spec.Checksums = true
 	t, err := m.Store(pairs)
+	m.spec.Checksums = on
 	if err == nil {
 		err = t.Wait()
 	}
 	if err != nil {
 		return err
 	}
-	sums := t.Sums()
-	if (isCUDA || m.spec.Checksums) && sums == nil {
-		return errors.New("cudakv bench: the store computed no checksums")
+	stored := t.Sums()
+	if t, err = m.LoadSummed(pairs); err == nil { // the same bytes back
+		err = t.Wait()
 	}
-	for i, p := range pairs {
-		slot := m.spec.Arena[int(p.CPU)*stride : int(p.CPU)*stride+bb]
-		if sums != nil && sums[i] != crc32.Checksum(slot, castagnoli) {
-			return fmt.Errorf("cudakv bench: the checksum of slot %d is %08x, its bytes' %08x", p.CPU, sums[i], crc32.Checksum(slot, castagnoli))
+	if err != nil {
+		return err
+	}
+	for _, c := range []struct {
+		what string
+		sums []uint32
+	}{{"store", stored}, {"load", t.Sums()}} {
+		if c.sums == nil {
+			return fmt.Errorf("cudakv bench: the %s computed no checksums", c.what)
+		}
+		for i, p := range pairs {
+			slot := m.spec.Arena[int(p.CPU)*stride : int(p.CPU)*stride+bb]
+			if want := crc32.Checksum(slot, castagnoli); c.sums[i] != want {
+				return fmt.Errorf("cudakv bench: the %s's checksum of slot %d is %08x, its bytes' %08x", c.what, p.CPU, c.sums[i], want)
+			}
 		}
 	}
 	for _, p := range pairs[:min(len(pairs), 8)] {

@@ -100,8 +100,8 @@ type ringSlot struct {
 	event unsafe.Pointer
 	t     *Ticket
 	// sums (pinned, mapped, sumsCap words, grown by sumsFor) receives
-	// kv_store_sum's raw CRC per (pair, segment) when summed; n is the
-	// batch's pair count.
+	// kv_store_sum's or kv_load_sum's raw CRC per (pair, segment) when
+	// summed; n is the batch's pair count.
 	sums    unsafe.Pointer
 	sumsCap int
 	summed  bool
@@ -261,7 +261,7 @@ func (b *cudaBackend) releaseLocked(r *ringSlot) {
 	}
 }
 
-func (b *cudaBackend) submit(pairs []Pair, toCPU bool) (*Ticket, error) {
+func (b *cudaBackend) submit(pairs []Pair, toCPU, sum bool) (*Ticket, error) {
 	if len(pairs) > b.maxPairs {
 		return nil, fmt.Errorf("%w: a batch of %d pairs is larger than the GPU cache (%d blocks)", ErrBadPair, len(pairs), b.maxPairs)
 	}
@@ -275,7 +275,7 @@ func (b *cudaBackend) submit(pairs []Pair, toCPU bool) (*Ticket, error) {
 		dst[2*i], dst[2*i+1] = p.GPU, p.CPU
 	}
 	l := b.spec.Layout
-	r.n, r.summed = len(pairs), toCPU && b.spec.Checksums
+	r.n, r.summed = len(pairs), sum
 	var sums C.uint64_t
 	if r.summed {
 		if err := b.sumsFor(r, len(pairs)*l.Segments()); err != nil {
@@ -387,12 +387,6 @@ func (b *cudaBackend) setGrid(ctas, threads int) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	b.spec.CTAs, b.spec.Threads = ctas, threads
-}
-
-func (b *cudaBackend) setChecksums(on bool) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	b.spec.Checksums = on
 }
 
 func (b *cudaBackend) baseline(engine string, store bool, pairs []Pair, reps int) (time.Duration, error) {

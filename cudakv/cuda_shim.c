@@ -86,7 +86,7 @@ struct kv_ctx {
 	CUdevice dev;
 	CUcontext ctx;
 	CUmodule mod;
-	CUfunction store, store_sum, load;
+	CUfunction store, store_sum, load, load_sum;
 	CUstream stream[2];  // [0] loads (higher priority), [1] stores
 	int sms;
 	char name[256];
@@ -220,6 +220,7 @@ int kv_open(int device, const void *fatbin, kv_ctx **out) {
 	if (r == 0) r = cu.ModuleGetFunction(&c->store, c->mod, "kv_store");
 	if (r == 0) r = cu.ModuleGetFunction(&c->store_sum, c->mod, "kv_store_sum");
 	if (r == 0) r = cu.ModuleGetFunction(&c->load, c->mod, "kv_load");
+	if (r == 0) r = cu.ModuleGetFunction(&c->load_sum, c->mod, "kv_load_sum");
 	if (r == 0) r = cu.CtxGetStreamPriorityRange(&least, &greatest);
 	// Loads gate prefill: their stream gets the greatest priority.
 	if (r == 0) r = cu.StreamCreateWithPriority(&c->stream[0], CU_STREAM_NON_BLOCKING, greatest);
@@ -338,7 +339,7 @@ int kv_copy(kv_ctx *c, int to_host, uint64_t bases, const void *host_pairs, uint
 		long long need = (items + threads / 32 - 1) / (threads / 32);
 		unsigned grid = (unsigned)(need < ctas ? need : ctas);
 		void *args[] = {&bases, &dev_pairs, &npairs, &nseg, &seg, &block_stride, &host_base, &slot_stride, &sums};
-		CUfunction f = !to_host ? c->load : sums ? c->store_sum : c->store;
+		CUfunction f = to_host ? (sums ? c->store_sum : c->store) : (sums ? c->load_sum : c->load);
 		CHECK(cu.LaunchKernel(f, grid, 1, 1, (unsigned)threads, 1, 1, 0, s, args, NULL));
 	}
 	if (done) CHECK(cu.EventRecord(done, s));

@@ -47,8 +47,9 @@ int kv_stream_sync(kv_ctx *c, int to_host);
 
 // kv_copy copies the pairs' pinned host array to dev_pairs and launches
 // kv_store (to_host) or kv_load on that direction's stream, then records
-// done (may be NULL). A store with sums (a device address of npairs × nseg
-// words) launches kv_store_sum, which writes each segment's raw CRC32C.
+// done (may be NULL). With sums (a device address of npairs × nseg words)
+// it launches kv_store_sum or kv_load_sum, which write each segment's raw
+// CRC32C.
 int kv_copy(kv_ctx *c, int to_host, uint64_t bases, const void *host_pairs, uint64_t dev_pairs, int npairs,
             int nseg, uint64_t seg, uint64_t block_stride, uint64_t host_base, uint64_t slot_stride, int ctas,
             int threads, uint64_t sums, void *done);

@@ -129,8 +129,10 @@ type Mover struct {
 // backend is what the CUDA and host backends implement.
 type backend interface {
 	name() string
-	// submit starts copying pairs in one direction and returns at once.
-	submit(pairs []Pair, toCPU bool) (*Ticket, error)
+	// submit starts copying pairs in one direction and returns at once;
+	// with sum, the ticket gets each pair's CRC32C of the bytes copied
+	// (Ticket.Sums).
+	submit(pairs []Pair, toCPU, sum bool) (*Ticket, error)
 	writeBlock(block int, src []byte) error
 	readBlock(block int, dst []byte) error
 	registerTime() time.Duration
@@ -219,7 +221,7 @@ func (m *Mover) Store(pairs []Pair) (*Ticket, error) {
 	if err := m.check(pairs); err != nil {
 		return nil, err
 	}
-	return m.backend.submit(pairs, true)
+	return m.backend.submit(pairs, true, m.spec.Checksums)
 }
 
 // Load starts copying each pair's CPU slot into its GPU block (CPU → GPU).
@@ -227,7 +229,19 @@ func (m *Mover) Load(pairs []Pair) (*Ticket, error) {
 	if err := m.check(pairs); err != nil {
 		return nil, err
 	}
-	return m.backend.submit(pairs, false)
+	return m.backend.submit(pairs, false, false)
+}
+
+// LoadSummed is Load that also computes each block's CRC32C (Castagnoli)
+// from the bytes it writes into the GPU cache, while they are hot
+// (Ticket.Sums): the host backend right after each segment's copy, the
+// CUDA backend in the load kernel (kv_load_sum). A kv_digest of the
+// loaded blocks then needs no second read of the cache.
+func (m *Mover) LoadSummed(pairs []Pair) (*Ticket, error) {
+	if err := m.check(pairs); err != nil {
+		return nil, err
+	}
+	return m.backend.submit(pairs, false, true)
 }
 
 // WriteBlock writes a block-major block (BlockBytes long) into GPU block
@@ -330,9 +344,9 @@ func (t *Ticket) Done() (bool, error) {
 	return false, nil
 }
 
-// Sums returns the CRC32C of each pair's CPU slot after a store, parallel
-// to the pairs, once the ticket is done and only when the backend
-// computed them while copying (Spec.Checksums); else nil.
+// Sums returns the CRC32C of each pair's block as copied, parallel to the
+// pairs, once the ticket is done and only when the backend computed them
+// while copying (a store with Spec.Checksums, a LoadSummed); else nil.
 func (t *Ticket) Sums() []uint32 {
 	select {
 	case <-t.done:

@@ -159,7 +159,14 @@ func roundTrip(t *testing.T, m *Mover, spec Spec, c copyCase, slots int) {
 			t.Fatal(err)
 		}
 	}
-	tk, err = m.Load(loads)
+	// Odd batches load with the blocks' checksums (kv_load_sum on CUDA),
+	// even ones without (kv_load).
+	summed := c.batch%2 == 1
+	if summed {
+		tk, err = m.LoadSummed(loads)
+	} else {
+		tk, err = m.Load(loads)
+	}
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -172,6 +179,18 @@ func roundTrip(t *testing.T, m *Mover, spec Spec, c copyCase, slots int) {
 			break
 		}
 		tk.Wait()
+	}
+	switch sums := tk.Sums(); {
+	case !summed && sums != nil:
+		t.Errorf("a load without checksums returned %d", len(sums))
+	case summed && sums == nil:
+		t.Errorf("the %s backend's LoadSummed computed no checksums", m.Backend())
+	case summed:
+		for i, p := range loads {
+			if want := crc32.Checksum(want[int(p.GPU)], crc32.MakeTable(crc32.Castagnoli)); sums[i] != want {
+				t.Fatalf("load: checksum of GPU block %d %08x, want %08x", p.GPU, sums[i], want)
+			}
+		}
 	}
 	got := make([]byte, bb)
 	for b := range l.Blocks {

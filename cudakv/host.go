@@ -49,10 +49,10 @@ func (h *hostBackend) cpu(c, s int) []byte {
 	return h.spec.Arena[off : off+h.spec.Layout.SegmentBytes]
 }
 
-func (h *hostBackend) submit(pairs []Pair, toCPU bool) (*Ticket, error) {
+func (h *hostBackend) submit(pairs []Pair, toCPU, sum bool) (*Ticket, error) {
 	t := newTicket()
 	pairs = append([]Pair(nil), pairs...)
-	if toCPU && h.spec.Checksums {
+	if sum {
 		t.sums = make([]uint32, len(pairs))
 	}
 	h.wg.Go(func() {
@@ -63,8 +63,8 @@ func (h *hostBackend) submit(pairs []Pair, toCPU bool) (*Ticket, error) {
 }
 
 // copyPairs splits the pairs among the workers; each copies whole blocks.
-// With sums (stores only), each segment's bytes update the block's CRC32C
-// right after they were copied, while they are in cache.
+// With sums, each segment's bytes update the block's CRC32C right after
+// they were copied, while they are in cache.
 func (h *hostBackend) copyPairs(pairs []Pair, toCPU bool, sums []uint32) {
 	n := min(h.spec.Workers, len(pairs))
 	var wg sync.WaitGroup
@@ -74,14 +74,13 @@ func (h *hostBackend) copyPairs(pairs []Pair, toCPU bool, sums []uint32) {
 				p := pairs[i]
 				var crc uint32
 				for s := range h.spec.Layout.Segments() {
+					dst, src := h.gpu(int(p.GPU), s), h.cpu(int(p.CPU), s)
 					if toCPU {
-						dst := h.cpu(int(p.CPU), s)
-						copy(dst, h.gpu(int(p.GPU), s))
-						if sums != nil {
-							crc = crc32.Update(crc, castagnoli, dst)
-						}
-					} else {
-						copy(h.gpu(int(p.GPU), s), h.cpu(int(p.CPU), s))
+						dst, src = src, dst
+					}
+					copy(dst, src)
+					if sums != nil {
+						crc = crc32.Update(crc, castagnoli, dst)
 					}
 				}
 				if sums != nil {

@@ -18,7 +18,9 @@
 //
 // kv_store_sum is kv_store that also computes each segment's raw CRC32C
 // (Castagnoli, reflected, initial value 0, no final xor) from the values
-// it already holds in registers, and writes it to sums[item]; the host
+// it already holds in registers, and writes it to sums[item];
+// kv_load_sum is kv_load that does the same for the values it writes to
+// the GPU (a kv_digest read off the load, not off the cache); the host
 // combines a block's segments into its checksum (crcmath.go). A lane's
 // chunks are 16 bytes, 512 bytes apart: it folds them Horner-style
 // (multiply by x^(8·512), add the chunk's CRC), shifts its sum by the bytes
@@ -153,7 +155,7 @@ __device__ __forceinline__ uint32_t copy_segment(char* dst, const char* src, uin
 // GPU cache; a block's segment s lives at bases[s] + block × block_stride.
 // pairs[2p] is the GPU block and pairs[2p+1] the CPU slot of pair p; slot c
 // starts at host_base + c × slot_stride and holds segment s at s × seg.
-// With SUM (stores), item it's raw CRC goes to sums[it].
+// With SUM, item it's raw CRC goes to sums[it].
 template <bool TO_HOST, int UNROLL, bool SUM>
 __device__ __forceinline__ void kv_copy(const uint64_t* __restrict__ bases, const int32_t* __restrict__ pairs,
                                         int npairs, int nseg, uint64_t seg, uint64_t block_stride,
@@ -167,14 +169,10 @@ __device__ __forceinline__ void kv_copy(const uint64_t* __restrict__ bases, cons
     const int s = (int)(it % nseg);
     char* gpu = (char*)(bases[s] + (uint64_t)pairs[2 * p] * block_stride);
     char* host = (char*)(host_base + (uint64_t)pairs[2 * p + 1] * slot_stride + (uint64_t)s * seg);
-    if (TO_HOST) {
-      uint32_t c = copy_segment<UNROLL, SUM>(host, gpu, seg, T);
-      if (SUM) {
-        for (int off = WARP / 2; off > 0; off /= 2) c ^= __shfl_xor_sync(0xffffffffu, c, off);
-        if (threadIdx.x % WARP == 0) sums[it] = c;
-      }
-    } else {
-      copy_segment<UNROLL, false>(gpu, host, seg, T);
+    uint32_t c = TO_HOST ? copy_segment<UNROLL, SUM>(host, gpu, seg, T) : copy_segment<UNROLL, SUM>(gpu, host, seg, T);
+    if (SUM) {
+      for (int off = WARP / 2; off > 0; off /= 2) c ^= __shfl_xor_sync(0xffffffffu, c, off);
+      if (threadIdx.x % WARP == 0) sums[it] = c;
     }
   }
 }
@@ -199,4 +197,14 @@ extern "C" __global__ void __launch_bounds__(1024)
 kv_load(const uint64_t* bases, const int32_t* pairs, int npairs, int nseg, uint64_t seg,
         uint64_t block_stride, uint64_t host_base, uint64_t slot_stride) {
   kv_copy<false, 8, false>(bases, pairs, npairs, nseg, seg, block_stride, host_base, slot_stride, nullptr, nullptr);
+}
+
+// kv_load_sum is kv_load writing each item's raw CRC32C to sums, as
+// kv_store_sum does.
+extern "C" __global__ void __launch_bounds__(1024)
+kv_load_sum(const uint64_t* bases, const int32_t* pairs, int npairs, int nseg, uint64_t seg,
+            uint64_t block_stride, uint64_t host_base, uint64_t slot_stride, uint32_t* sums) {
+  __shared__ crc_tables T;
+  crc_tables_init(&T);
+  kv_copy<false, 8, true>(bases, pairs, npairs, nseg, seg, block_stride, host_base, slot_stride, &T, sums);
 }

@@ -17,7 +17,7 @@ import (
 // submit error; a real engine's executor may refuse too).
 type refusingLoads struct{ Executor }
 
-func (refusingLoads) Load([]Pair) (Copy, error) { return nil, errors.New("load refused") }
+func (refusingLoads) Load([]Pair, bool) (Copy, error) { return nil, errors.New("load refused") }
 
 // A load the executor refuses at submission fails the request; the engine
 // goes on serving. (Found in review: lookup runs inside the step's
@@ -133,8 +133,8 @@ func (c gatedCopy) Wait() error {
 	return c.g.fail
 }
 
-func (g *gatedLoads) Load(p []Pair) (Copy, error) {
-	t, err := g.Executor.Load(p)
+func (g *gatedLoads) Load(p []Pair, sums bool) (Copy, error) {
+	t, err := g.Executor.Load(p, sums)
 	if err != nil {
 		return nil, err
 	}
@@ -279,7 +279,7 @@ func TestPauseAbortWaitsForDigest(t *testing.T) {
 	})
 	answered := make(chan error, 1)
 	go func() {
-		r, err := e.Submit(context.Background(), Request{ID: "a", Tokens: tokens(10, 16*4)})
+		r, err := e.Submit(context.Background(), Request{ID: "a", Tokens: tokens(10, 16*4), Digest: DigestSHA256}) // reads every block
 		if err == nil && len(r.KVDigest) != 64 {
 			err = errors.New("no digest")
 		}

@@ -15,20 +15,24 @@ import (
 // A kv_digest is the SHA-256 of one small hash per block, in the request's
 // order: the block's SHA-256 (DigestSHA256) or its CRC32C, big-endian
 // (DigestCRC32C). The blocks are independent, so they are hashed in
-// parallel (issue 12: the exact digest cost 0.85 s a GiB on one core and
-// dominated the whole request).
+// parallel (issue 12: the SHA-256 digest cost 0.85 s a GiB on one core and
+// dominated the whole request); a block's CRC32C that the request's load
+// or store computed as it copied the block is taken as it is, so a
+// request whose copies moved every block reads none again.
 
 // digestWorkers is how many blocks the engine hashes at once over all its
 // digests: every core but one, which stays with the engine loop and the
 // admin API, and at least one.
 func digestWorkers() int { return max(1, runtime.GOMAXPROCS(0)-1) }
 
-// digestOf computes a kv_digest of kind over GPU blocks. Up to
-// cap(e.hashing) goroutines take blocks in turn; each holds a token of
-// e.hashing while it hashes one, so concurrent digests share the cores
-// instead of multiplying the goroutines that run. The goroutines end with
-// the blocks (or the first error) and are joined before it returns.
-func (e *Engine) digestOf(kind string, gpu []int32) (string, error) {
+// digestOf computes a kv_digest of kind over GPU blocks. For DigestCRC32C,
+// crcs[i] is block gpu[i]'s CRC32C where known[i] (both nil: none known).
+// Up to cap(e.hashing) goroutines take the other blocks in turn; each
+// holds a token of e.hashing while it hashes one, so concurrent digests
+// share the cores instead of multiplying the goroutines that run. The
+// goroutines end with the blocks (or the first error) and are joined
+// before it returns.
+func (e *Engine) digestOf(kind string, gpu []int32, crcs []uint32, known []bool) (string, error) {
 	if cap(e.hashing) == 0 {
 		panic("engine: a digest without hashing tokens (an Engine not made by New)")
 	}
@@ -37,22 +41,31 @@ func (e *Engine) digestOf(kind string, gpu []int32) (string, error) {
 		size = 4
 	}
 	leaves := make([]byte, len(gpu)*size)
+	todo := make([]int, 0, len(gpu)) // the blocks to read
+	for i := range gpu {
+		if kind == DigestCRC32C && known != nil && known[i] {
+			binary.BigEndian.PutUint32(leaves[i*size:], crcs[i])
+			continue
+		}
+		todo = append(todo, i)
+	}
 	var next atomic.Int64
 	var failed atomic.Bool
 	type failure struct {
 		block int
 		err   error
 	}
-	fails := make([]failure, min(cap(e.hashing), len(gpu)))
+	fails := make([]failure, min(cap(e.hashing), len(todo)))
 	var wg sync.WaitGroup
 	for w := range fails {
 		wg.Go(func() {
 			h := sha256.New()
 			for {
-				i := int(next.Add(1)) - 1
-				if i >= len(gpu) {
+				n := int(next.Add(1)) - 1
+				if n >= len(todo) {
 					return
 				}
+				i := todo[n]
 				e.hashing <- struct{}{}
 				if failed.Load() { // another block failed while this one waited
 					<-e.hashing

@@ -51,7 +51,7 @@ func TestDigestsShareWorkers(t *testing.T) {
 		var wg sync.WaitGroup
 		for i := range got {
 			wg.Go(func() {
-				d, err := e.digestOf(DigestCRC32C, []int32{int32(4 * i), int32(4*i + 1), int32(4*i + 2), int32(4*i + 3)})
+				d, err := e.digestOf(DigestCRC32C, []int32{int32(4 * i), int32(4*i + 1), int32(4*i + 2), int32(4*i + 3)}, nil, nil)
 				if err != nil {
 					t.Error(err)
 				}
@@ -84,7 +84,7 @@ func TestDigestInParallel(t *testing.T) {
 		e := &Engine{x: g, hashing: make(chan struct{}, 4)}
 		done := make(chan error)
 		go func() {
-			_, err := e.digestOf(DigestSHA256, []int32{0, 1, 2, 3, 4, 5, 6, 7})
+			_, err := e.digestOf(DigestSHA256, []int32{0, 1, 2, 3, 4, 5, 6, 7}, nil, nil)
 			done <- err
 		}()
 		synctest.Wait()
@@ -114,7 +114,7 @@ func TestDigestVisitError(t *testing.T) {
 				}
 				done := make(chan error)
 				go func() {
-					_, err := e.digestOf(DigestSHA256, gpu)
+					_, err := e.digestOf(DigestSHA256, gpu, nil, nil)
 					done <- err
 				}()
 				synctest.Wait() // block 0 failed; the other hashers wait in their first block
@@ -168,7 +168,7 @@ func BenchmarkDigest(b *testing.B) {
 			t *time.Duration
 		}{{one, &t1}, {all, &tn}} {
 			t0 := time.Now()
-			if _, err := r.e.digestOf(DigestSHA256, gpu); err != nil {
+			if _, err := r.e.digestOf(DigestSHA256, gpu, nil, nil); err != nil {
 				b.Fatal(err)
 			}
 			*r.t += time.Since(t0)

@@ -57,7 +57,7 @@ type Request struct {
 	ID             string
 	Tokens         []uint32
 	TransferParams map[string]any
-	// Digest says how the answer's kv_digest is computed (DigestSHA256
+	// Digest says how the answer's kv_digest is computed (DigestCRC32C
 	// when empty); see the Digest constants.
 	Digest string
 	// FetchOnly loads the prefix the tiers hold and computes nothing
@@ -69,15 +69,18 @@ type Request struct {
 // kv_digest kinds. The digest is computed after the prefill (elapsed_ms
 // does not include it) and off the engine loop, which goes on scheduling.
 const (
-	// DigestSHA256: the SHA-256 of the blocks' SHA-256s in order (a hash
-	// tree two levels deep): exact, about 1.4 GB/s a core with SHA-NI, and
-	// the blocks hash on every core but one at once.
-	DigestSHA256 = "sha256"
-	// DigestCRC32C: "crc32c:" and the SHA-256 of the blocks' CRC32Cs in
-	// order: about 8× cheaper, and any accidental difference between two
-	// nodes' KV shows but for a 2^-32 chance per block; not proof against
-	// a forger.
+	// DigestCRC32C (the default): "crc32c:" and the SHA-256 of the
+	// blocks' CRC32Cs in order. The copies compute them as they move the
+	// bytes (a load's and a store's checksums), so the digest reads again
+	// only the blocks no copy of the request moved. Any accidental
+	// difference between two nodes' KV shows but for a 2^-32 chance per
+	// block; not proof against a forger.
 	DigestCRC32C = "crc32c"
+	// DigestSHA256: the SHA-256 of the blocks' SHA-256s in order (a hash
+	// tree two levels deep): collision-resistant, but every block is read
+	// again and hashed, about 1.4 GB/s a core with SHA-NI, on every core
+	// but one at once.
+	DigestSHA256 = "sha256"
 	// DigestNone: no digest.
 	DigestNone = "none"
 )
@@ -154,6 +157,12 @@ type job struct {
 	copying bool
 	digest  chan struct{} // closed when its digest goroutine no longer reads its GPU blocks
 	sums    chan struct{} // a store's: closed once its blocks' checksums are recorded
+	// crcs holds, for a crc32c kv_digest, the CRC32C of each of keys'
+	// GPU blocks that a copy computed as it went (the load's, the
+	// store's); crcKnown says which, the rest are read again.
+	crcs     []uint32
+	crcKnown []bool
+	stored   []int // a store's pairs' indexes in keys
 }
 
 type jobReply struct {
@@ -237,7 +246,7 @@ func (e *Engine) Submit(ctx context.Context, r Request) (api.Result, error) {
 	}
 	switch r.Digest {
 	case "":
-		r.Digest = DigestSHA256
+		r.Digest = DigestCRC32C
 	case DigestSHA256, DigestCRC32C, DigestNone:
 	default:
 		return api.Result{}, fmt.Errorf("%w, not %q", ErrBadDigest, r.Digest)

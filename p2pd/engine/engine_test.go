@@ -6,7 +6,9 @@ import (
 	"encoding/binary"
 	"encoding/hex"
 	"errors"
+	"fmt"
 	"hash/crc32"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -171,10 +173,10 @@ func TestStoredBlocksKeepChecksums(t *testing.T) {
 	})
 }
 
-// Issue 12: kv_digest is exact by default (SHA-256 over the KV), cheaper
-// on request (crc32c), or skipped (none); equal prompts give equal
-// digests of a kind, different prompts different ones; an unknown kind is
-// refused.
+// Issue 12: kv_digest is crc32c by default (off the copies' checksums),
+// SHA-256 over the KV on request, or skipped (none); equal prompts give
+// equal digests of a kind, different prompts different ones; an unknown
+// kind is refused.
 func TestDigestKinds(t *testing.T) {
 	e, _ := newEngine(t, 64, 32)
 	ctx := context.Background()
@@ -186,16 +188,13 @@ func TestDigestKinds(t *testing.T) {
 		}
 		return r
 	}
-	sha := run("a", 1, "")
-	if len(sha.KVDigest) != 64 {
-		t.Errorf("default digest %q, want 64 hex digits of SHA-256", sha.KVDigest)
+	sha, again := run("a", 1, DigestSHA256), run("b", 1, DigestSHA256)
+	if len(sha.KVDigest) != 64 || again.KVDigest != sha.KVDigest {
+		t.Errorf("sha256 digests %q, %q (same prompt); want 64 hex digits of SHA-256, equal", sha.KVDigest, again.KVDigest)
 	}
-	if again := run("b", 1, DigestSHA256); again.KVDigest != sha.KVDigest {
-		t.Errorf("sha256 of the same prompt: %s, want %s", again.KVDigest, sha.KVDigest)
-	}
-	c1, c2, other := run("c", 1, DigestCRC32C), run("d", 1, DigestCRC32C), run("e", 2, DigestCRC32C)
+	c1, c2, other := run("c", 1, ""), run("d", 1, DigestCRC32C), run("e", 2, DigestCRC32C)
 	if !strings.HasPrefix(c1.KVDigest, "crc32c:") || c1.KVDigest != c2.KVDigest || c1.KVDigest == other.KVDigest {
-		t.Errorf("crc32c digests %q, %q (same prompt), %q (another)", c1.KVDigest, c2.KVDigest, other.KVDigest)
+		t.Errorf("crc32c digests %q (the default), %q (same prompt), %q (another)", c1.KVDigest, c2.KVDigest, other.KVDigest)
 	}
 	if none := run("f", 1, DigestNone); none.KVDigest != "" {
 		t.Errorf("digest none gave %q", none.KVDigest)
@@ -252,7 +251,7 @@ func TestDigestDefinition(t *testing.T) {
 			DigestSHA256: hex.EncodeToString(sha.Sum(nil)),
 			DigestCRC32C: "crc32c:" + hex.EncodeToString(crcs.Sum(nil)),
 		} {
-			if got, err := e.digestOf(kind, gpu); err != nil || got != want {
+			if got, err := e.digestOf(kind, gpu, nil, nil); err != nil || got != want {
 				t.Errorf("digest %s, %d at once = %q, %v; want %q", kind, workers, got, err, want)
 			}
 		}
@@ -271,7 +270,10 @@ func (c *countingExecutor) Compute(gpu int32, k offload.Key) error {
 	return c.Executor.Compute(gpu, k)
 }
 
-func (c *countingExecutor) Load(p []Pair) (Copy, error) { c.loads++; return c.Executor.Load(p) }
+func (c *countingExecutor) Load(p []Pair, sums bool) (Copy, error) {
+	c.loads++
+	return c.Executor.Load(p, sums)
+}
 
 func (c *countingExecutor) Store(p []Pair) (Copy, error) { c.stores++; return c.Executor.Store(p) }
 
@@ -281,8 +283,8 @@ func (c *countingExecutor) Visit(gpu int32, fn func([]byte)) error {
 }
 
 // Issue 13: the engine's GPU side is an Executor that a real engine's
-// replaces. A prompt is computed and stored once, then loaded; the digest
-// reads every block through the executor. (The engine loop is the only
+// replaces. A prompt is computed and stored once, then loaded; a sha256
+// digest reads every block through the executor. (The engine loop is the only
 // caller of Compute/Load/Store; the digest goroutine's Visits end before
 // the answer, so the counts are read after it.)
 func TestExecutorReplaceable(t *testing.T) {
@@ -297,7 +299,7 @@ func TestExecutorReplaceable(t *testing.T) {
 	})
 	ctx := context.Background()
 	for i, id := range []string{"a", "b"} {
-		r, err := e.Submit(ctx, Request{ID: id, Tokens: tokens(1, 16*4)})
+		r, err := e.Submit(ctx, Request{ID: id, Tokens: tokens(1, 16*4), Digest: DigestSHA256})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -415,4 +417,78 @@ func TestAbortedStoreThatFailedStaysUnreadable(t *testing.T) {
 			}
 		}
 	})
+}
+
+// noSums is a Copy whose backend computed no checksums.
+type noSums struct{ Copy }
+
+func (noSums) Sums() []uint32 { return nil }
+
+// sumlessExecutor is the reference executor whose copies compute no
+// checksums (a backend that cannot).
+type sumlessExecutor struct{ *countingExecutor }
+
+func (x sumlessExecutor) Load(p []Pair, sums bool) (Copy, error) {
+	c, err := x.countingExecutor.Load(p, sums)
+	return noSums{c}, err
+}
+
+func (x sumlessExecutor) Store(p []Pair) (Copy, error) {
+	c, err := x.countingExecutor.Store(p)
+	return noSums{c}, err
+}
+
+// Issue 12: the default crc32c digest takes each block's CRC32C from the
+// copy that moved it — the store of a computed block, the load of a
+// loaded one — and reads no block again; where a copy computed none, it
+// reads the blocks. Either way it is the digest's definition over the
+// blocks' bytes: for a prompt computed, the same prompt loaded, and one
+// that loads its first half and computes the rest.
+func TestDigestOffTheCopies(t *testing.T) {
+	for _, sums := range []bool{true, false} {
+		t.Run(fmt.Sprintf("sums=%v", sums), func(t *testing.T) {
+			var x *countingExecutor
+			e, _ := newEngineWith(t, 64, 32, func(m *offload.Manager) Executor {
+				ref, err := NewReference(m, 32, "host", nil)
+				if err != nil {
+					t.Fatal(err)
+				}
+				x = &countingExecutor{Executor: ref}
+				if !sums {
+					return sumlessExecutor{x}
+				}
+				return x
+			})
+			digest := func(toks []uint32) string {
+				leaves := sha256.New()
+				buf := make([]byte, e.geo.BlockBytes())
+				for _, k := range offload.NewChain(e.keys, e.geo.BlockTokens, toks).Keys {
+					Fill(buf, k)
+					leaves.Write(binary.BigEndian.AppendUint32(nil, crc32.Checksum(buf, crc32c.Table)))
+				}
+				return "crc32c:" + hex.EncodeToString(leaves.Sum(nil))
+			}
+			toks := tokens(5, 16*4)
+			mixed := append(slices.Clone(toks[:16*2]), tokens(6, 16*2)...)
+			for i, c := range []struct {
+				id   string
+				toks []uint32
+			}{{"computed", toks}, {"loaded", toks}, {"mixed", mixed}} {
+				r, err := e.Submit(context.Background(), Request{ID: c.id, Tokens: c.toks})
+				if err != nil {
+					t.Fatal(err)
+				}
+				if want := digest(c.toks); r.KVDigest != want {
+					t.Errorf("%s: digest %s, want %s", c.id, r.KVDigest, want)
+				}
+				wantVisits, wantLoads := 0, min(i, 2)
+				if !sums {
+					wantVisits = 4 * (i + 1)
+				}
+				if x.visits != wantVisits || x.loads != wantLoads {
+					t.Errorf("after %s: %d visits, %d loads; want %d, %d", c.id, x.visits, x.loads, wantVisits, wantLoads)
+				}
+			}
+		})
+	}
 }

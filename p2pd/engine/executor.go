@@ -18,9 +18,11 @@ type Executor interface {
 	// Compute writes block k's KV into GPU cache block gpu: the prefill.
 	// The engine loop calls it, one block at a time.
 	Compute(gpu int32, k offload.Key) error
-	// Load starts copying CPU slots into GPU blocks; Store the other way,
-	// computing the stored blocks' CRC32C if it can (Copy.Sums).
-	Load(pairs []Pair) (Copy, error)
+	// Load starts copying CPU slots into GPU blocks, with sums also
+	// computing the loaded blocks' CRC32C if it can (Copy.Sums: a crc32c
+	// kv_digest then reads no block again); Store the other way, always
+	// computing the stored blocks' CRC32C if it can.
+	Load(pairs []Pair, sums bool) (Copy, error)
 	Store(pairs []Pair) (Copy, error)
 	// Visit calls fn with the bytes of GPU block gpu, in order, in one or
 	// more pieces (kv_digest). Digest goroutines call it concurrently.
@@ -41,7 +43,7 @@ type Copy interface {
 	Done() (bool, error)
 	// Wait blocks until the copy ended and returns its error.
 	Wait() error
-	// Sums is, after a store that computed them, each pair's CRC32C;
+	// Sums is, after a copy that computed them, each pair's CRC32C;
 	// else nil (the engine then computes them).
 	Sums() []uint32
 }
@@ -80,8 +82,12 @@ func (x *reference) Compute(gpu int32, k offload.Key) error {
 	return x.mv.WriteBlock(int(gpu), x.buf)
 }
 
-func (x *reference) Load(pairs []Pair) (Copy, error) {
-	t, err := x.mv.Load(pairs)
+func (x *reference) Load(pairs []Pair, sums bool) (Copy, error) {
+	load := x.mv.Load
+	if sums {
+		load = x.mv.LoadSummed
+	}
+	t, err := load(pairs)
 	if err != nil {
 		return nil, err
 	}

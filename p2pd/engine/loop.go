@@ -413,7 +413,8 @@ func (e *Engine) lookup(s *offload.Step, j *job) {
 	for i := range pairs {
 		pairs[i] = Pair{GPU: j.gpu[i], CPU: slots[i]}
 	}
-	if err := e.start(j, func() (Copy, error) { return e.x.Load(pairs) }, nil); err != nil {
+	sums := j.r.Digest == DigestCRC32C // the digest's leaves, off the load
+	if err := e.start(j, func() (Copy, error) { return e.x.Load(pairs, sums) }, nil); err != nil {
 		e.failIn(s, j, err)
 	}
 }
@@ -512,6 +513,9 @@ func (e *Engine) copied(j *job, err error) {
 			e.fail(j, err)
 			return
 		}
+		if j.hits > 0 {
+			j.keepSums(j.copy.Sums(), func(i int) int { return i })
+		}
 		if j.r.FetchOnly {
 			j.src.Missed = len(j.keys) - j.hits
 			j.phase = phaseStoring
@@ -542,7 +546,9 @@ func (e *Engine) copied(j *job, err error) {
 			index[k] = i
 		}
 		pairs := make([]Pair, len(plan.Keys))
+		j.stored = make([]int, len(plan.Keys))
 		for i, k := range plan.Keys {
+			j.stored[i] = index[k]
 			pairs[i] = Pair{GPU: j.gpu[index[k]], CPU: plan.Slots[i]}
 		}
 		if err := e.start(j, func() (Copy, error) { return e.x.Store(pairs) }, pairs); err != nil {
@@ -557,14 +563,32 @@ func (e *Engine) copied(j *job, err error) {
 			e.fail(j, err)
 			return
 		}
+		j.keepSums(j.copy.Sums(), func(i int) int { return j.stored[i] })
 		e.answer(j)
 	}
 }
 
+// keepSums keeps, for a crc32c digest, the CRC32Cs a finished copy
+// computed of the blocks it moved (nil: it computed none): sums[i] is the
+// block of keys[key(i)]. The bytes a copy moved are the GPU block's: a
+// load wrote them there, a store read them from there.
+func (j *job) keepSums(sums []uint32, key func(i int) int) {
+	if j.r.Digest != DigestCRC32C || sums == nil {
+		return
+	}
+	if j.crcs == nil {
+		j.crcs, j.crcKnown = make([]uint32, len(j.keys)), make([]bool, len(j.keys))
+	}
+	for i, c := range sums {
+		j.crcs[key(i)], j.crcKnown[key(i)] = c, true
+	}
+}
+
 // answer finishes a request with the manager and replies; the KV digest,
-// when asked for, is computed on a goroutine of its own (it reads every
-// GPU block: up to a second a GiB), which keeps the job's GPU blocks until
-// it is done, so the engine loop goes on scheduling meanwhile.
+// when asked for, is computed on a goroutine of its own (a sha256 one
+// reads every GPU block: up to a second a GiB; a crc32c one the blocks no
+// copy of the request summed), which keeps the job's GPU blocks until it
+// is done, so the engine loop goes on scheduling meanwhile.
 func (e *Engine) answer(j *job) {
 	elapsed := time.Since(j.start) // the prefill is done; the digest is extra
 	res := api.Result{RequestID: j.r.ID, Blocks: len(j.keys), Sources: j.src, ElapsedMS: float64(elapsed.Microseconds()) / 1000}
@@ -579,6 +603,11 @@ func (e *Engine) answer(j *job) {
 	if j.r.FetchOnly {
 		gpu = gpu[:j.hits] // the rest holds nothing of this prompt
 	}
+	var crcs []uint32
+	var known []bool
+	if j.crcs != nil {
+		crcs, known = j.crcs[:len(gpu)], j.crcKnown[:len(gpu)]
+	}
 	done := make(chan struct{})
 	j.digest = done
 	e.wg.Go(func() {
@@ -586,7 +615,7 @@ func (e *Engine) answer(j *job) {
 			close(done)
 			signal(e.wake) // reap frees the GPU blocks
 		}()
-		d, err := e.digestOf(kind, gpu)
+		d, err := e.digestOf(kind, gpu, crcs, known)
 		if err != nil {
 			e.log.Warn("engine: request failed", "request", res.RequestID, "err", err)
 			reply <- jobReply{err: err}

@@ -473,7 +473,7 @@ type requestBody struct {
 	Seed           *uint64        `json:"seed"`
 	Tokens         int            `json:"tokens"`
 	TransferParams transferParams `json:"kv_transfer_params"`
-	// Digest is how kv_digest is computed: sha256 (default), crc32c, none.
+	// Digest is how kv_digest is computed: crc32c (default), sha256, none.
 	Digest string `json:"kv_digest"`
 	// FetchOnly computes nothing: api.Request.FetchOnly.
 	FetchOnly bool `json:"fetch_only"`

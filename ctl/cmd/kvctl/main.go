@@ -212,7 +212,7 @@ func run(args []string, out, errw io.Writer) error {
 		src := fs.String("remote-kv-source", "", "host:port of a peer to fetch KV from")
 		kvID := fs.String("kv-request-id", "", "the request id both peers use")
 		id := fs.String("request-id", "", "this node's request id (default: generated)")
-		digest := fs.String("digest", "", "kv_digest: sha256 (default), crc32c (cheaper) or none")
+		digest := fs.String("digest", "", "kv_digest: crc32c (default: off the copies' checksums), sha256 (reads every block again) or none")
 		fetchOnly := fs.Bool("fetch-only", false, "load what tiers and peers hold of the prefix, compute nothing (a cache node taking KV from a vLLM instance)")
 		if err := fs.Parse(rest); err != nil {
 			return usageError{err.Error()}

@@ -327,14 +327,16 @@ func run(bin string, planes []string, blocks, rounds int) ([]Row, error) {
 	}
 	// The whole request as its client sees it, with each kind of digest,
 	// on the first plane's daemons.
-	for _, d := range []string{"sha256", "crc32c", "none"} {
+	// The target is the default digest's (crc32c, off the copies).
+	for _, d := range []string{"crc32c", "sha256", "none"} {
 		w, err := first.wallRate(rounds, d)
 		if err != nil {
 			return rows, err
 		}
 		row := Row{"B1", fmt.Sprintf("  the whole request with kv_digest %s (client's wall time, %s)", d, planes[0]),
 			fmt.Sprintf("%.2f GB/s", w), "", fmt.Sprintf("%.2f", w/b), "", ""}
-		if d == "sha256" {
+		if d == "crc32c" {
+			row.What = fmt.Sprintf("  the whole request with kv_digest crc32c, the default (client's wall time, %s)", planes[0])
 			row.Target, row.Verdict = "≥ 0.8", verdict(w/b >= 0.8)
 		}
 		rows = append(rows, row)
