@@ -58,24 +58,23 @@ func lowered(nice int, fn func()) {
 // fewer (at least one) while busy reports true — the default leaves the
 // engine a CPU while it has requests of its own, and lets bulk writes
 // take every CPU while it has none (docs/benchmarks.md, issue 12,
-// eleventh steps). A limit that drops leaves the tokens already held
-// with their writes, each given back at its write's end or when its
-// socket fills; one that rises is seen at the next give (a waiter exists
-// only while every token is held).
+// eleventh steps). Takes wait in line: a given-back token goes to the
+// oldest waiting take, so a writer that gives and takes again for its
+// next block cannot keep another peer's block waiting. A limit that
+// drops leaves the tokens already held with their writes, each given
+// back at its write's end or when its socket fills; one that rises is
+// seen at the next take or give, so a waiter may wait with a token free
+// until a holder gives back (no longer than a holder's write: take).
 type bulkGate struct {
 	mu    sync.Mutex
-	cond  sync.Cond // a token was given back
+	line  []chan struct{} // takes waiting, oldest first; each is closed when handed its token
 	held  int
 	n     int
 	busy  func() bool   // nil: never busy
 	waits atomic.Uint64 // takes that waited for a token, counted as they start to
 }
 
-func newBulkGate(n int, busy func() bool) *bulkGate {
-	g := &bulkGate{n: n, busy: busy}
-	g.cond.L = &g.mu
-	return g
-}
+func newBulkGate(n int, busy func() bool) *bulkGate { return &bulkGate{n: n, busy: busy} }
 
 // limitLocked is how many tokens may be held now.
 func (g *bulkGate) limitLocked() int {
@@ -85,37 +84,57 @@ func (g *bulkGate) limitLocked() int {
 	return g.n
 }
 
-// tryTake takes a token if one is free; it never waits.
+// handLocked hands the free tokens to the oldest waiting takes and says
+// whether one is free after them. The line shrinks by each take handed
+// one; it holds at most one take a writing goroutine.
+func (g *bulkGate) handLocked() (free bool) {
+	for g.held < g.limitLocked() {
+		if len(g.line) == 0 {
+			return true
+		}
+		g.held++
+		close(g.line[0])
+		g.line[0] = nil
+		g.line = g.line[1:]
+	}
+	return false
+}
+
+// tryTake takes a token if one is free after the waiting takes; it never
+// waits.
 func (g *bulkGate) tryTake() bool {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	if g.held >= g.limitLocked() {
+	if !g.handLocked() {
 		return false
 	}
 	g.held++
 	return true
 }
 
-// take waits for a token. The wait is bounded: every holder gives its
-// token back once the kernel stops taking its bytes, or after bulkSlice
-// (takeBulkFor), whichever comes first.
+// take waits for a token, after the takes already waiting. The wait is
+// bounded: every holder gives its token back once the kernel stops
+// taking its bytes, or after bulkSlice (takeBulkFor), whichever comes
+// first.
 func (g *bulkGate) take() {
 	g.mu.Lock()
-	defer g.mu.Unlock()
-	if g.held >= g.limitLocked() {
-		g.waits.Add(1)
+	if g.handLocked() {
+		g.held++
+		g.mu.Unlock()
+		return
 	}
-	for g.held >= g.limitLocked() {
-		g.cond.Wait()
-	}
-	g.held++
+	g.waits.Add(1)
+	handed := make(chan struct{})
+	g.line = append(g.line, handed)
+	g.mu.Unlock()
+	<-handed
 }
 
 func (g *bulkGate) give() {
 	g.mu.Lock()
 	g.held--
+	g.handLocked()
 	g.mu.Unlock()
-	g.cond.Broadcast()
 }
 
 // holding is how many tokens are held.

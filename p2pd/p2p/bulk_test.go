@@ -6,6 +6,8 @@ import (
 	"log/slog"
 	"net"
 	"runtime"
+	"slices"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"testing/synctest"
@@ -292,6 +294,62 @@ func TestBulkGateLeavesACoreWhileEngineBusy(t *testing.T) {
 		one := newBulkGate(1, func() bool { return true })
 		if !one.tryTake() {
 			t.Error("a one-token gate refused its token while the engine was busy")
+		}
+	})
+}
+
+// Issue 12: a given-back token goes to the oldest waiting take, so one
+// peer's writer, giving and taking again block after block, cannot keep
+// another peer's block waiting (a review: the gate this replaced woke
+// every waiter and let the first to lock take the token); a limit that
+// rose while takes waited hands the next give's token and the free one.
+func TestBulkGateTakesInLine(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		g := newBulkGate(1, nil)
+		g.take() // one peer's writer, on its block
+		var order []int
+		var mu sync.Mutex
+		done := make(chan struct{}, 2)
+		for i := range 2 { // two more blocks wait, first 0, then 1
+			go func() {
+				g.take()
+				mu.Lock()
+				order = append(order, i)
+				mu.Unlock()
+				g.give()
+				done <- struct{}{}
+			}()
+			synctest.Wait()
+		}
+		g.give()
+		if g.tryTake() {
+			t.Fatal("a give and take again went ahead of the waiting takes")
+		}
+		g.take() // its next block: after both
+		if h := g.holding(); h != 1 {
+			t.Errorf("%d tokens held, want 1", h)
+		}
+		<-done
+		<-done
+		g.give()
+		if !slices.Equal(order, []int{0, 1}) {
+			t.Errorf("takes served in order %v, want [0 1]", order)
+		}
+
+		var busy atomic.Bool
+		busy.Store(true)
+		g = newBulkGate(2, busy.Load)
+		g.take()
+		for range 2 {
+			go func() { g.take(); done <- struct{}{} }()
+		}
+		synctest.Wait()
+		busy.Store(false) // two tokens, one held, two takes waiting
+		g.give()
+		<-done
+		<-done
+		if h, w := g.holding(), g.waits.Load(); h != 2 || w != 2 {
+			t.Errorf("after the rise and a give: %d held, %d waits; want 2, 2", h, w)
 		}
 	})
 }
