@@ -299,22 +299,25 @@ func (b *cudaBackend) submit(pairs []Pair, toCPU, sum bool) (*Ticket, error) {
 		b.mu.Lock()
 		defer b.mu.Unlock()
 		if r.t != t {
-			return true, nil // already released by slotLocked, which finished t
+			return true, t.err // already released, and t finished, under b.mu
 		}
 		switch s := C.kv_event_query(b.ctx, r.event); s {
 		case C.KV_CUDA_NOT_READY:
 			return false, nil
 		default:
-			return true, b.endLocked(r, cudaErr("cuEventQuery", s))
+			t.finish(b.endLocked(r, cudaErr("cuEventQuery", s)))
+			return true, t.err
 		}
 	}
+	// Each path that releases r finishes t before it lets go of b.mu, so
+	// a Done that finds r released cannot finish t first with no error.
 	t.wait = func() error {
 		b.mu.Lock()
 		defer b.mu.Unlock()
-		if r.t != t {
-			return nil
+		if r.t == t {
+			t.finish(b.endLocked(r, cudaErr("cuEventSynchronize", C.kv_event_sync(b.ctx, r.event))))
 		}
-		return b.endLocked(r, cudaErr("cuEventSynchronize", C.kv_event_sync(b.ctx, r.event)))
+		return t.err
 	}
 	return t, nil
 }

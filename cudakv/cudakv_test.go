@@ -69,8 +69,12 @@ func copyCases() []copyCase {
 	for _, seg := range []int{2 << 10, 4 << 10, 8 << 10, 32 << 10, 64 << 10, 128 << 10} {
 		cs = append(cs, copyCase{layers: 3, seg: seg, batch: 17}, copyCase{layers: 3, seg: seg, batch: 17, fused: true})
 	}
-	// Misaligned sizes take the 4-byte and the byte paths.
-	cs = append(cs, copyCase{layers: 2, seg: 2052, batch: 16}, copyCase{layers: 2, seg: 2050, batch: 16}, copyCase{layers: 3, seg: 4099, batch: 15, fused: true})
+	// Misaligned sizes take the 4-byte and the byte paths, each loaded
+	// without checksums (even batches) and with them (odd ones).
+	for _, b := range []int{15, 16} {
+		cs = append(cs, copyCase{layers: 2, seg: 2052, batch: b}, copyCase{layers: 2, seg: 2050, batch: b})
+	}
+	cs = append(cs, copyCase{layers: 3, seg: 4099, batch: 15, fused: true})
 	return cs
 }
 

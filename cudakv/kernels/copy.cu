@@ -127,10 +127,12 @@ __device__ __forceinline__ uint32_t copy_vec16(int4* __restrict__ dst, const int
 }
 
 // copy_segment copies n bytes; with SUM it returns the lane's part of the
-// CRC of src. Unaligned segments take 4-byte or byte copies, and their
-// CRC is computed apart from the copy: each lane over a contiguous range
-// of src, shifted by the bytes after it.
-template <int UNROLL, bool SUM>
+// CRC of the bytes. Unaligned segments take 4-byte or byte copies, and
+// their CRC is computed apart from the copy: each lane over a contiguous
+// range of the GPU's side (src for a store, dst for a load once the
+// warp's writes are done), shifted by the bytes after it — never over
+// host memory, where a byte a read is a bus round trip.
+template <int UNROLL, bool SUM, bool TO_HOST>
 __device__ __forceinline__ uint32_t copy_segment(char* dst, const char* src, uint64_t n, const crc_tables* T) {
   const uintptr_t a = (uintptr_t)dst | (uintptr_t)src;
   const uint64_t lane = threadIdx.x % WARP;
@@ -144,10 +146,15 @@ __device__ __forceinline__ uint32_t copy_segment(char* dst, const char* src, uin
     for (uint64_t i = lane; i < n; i += WARP) dst[i] = src[i];
   }
   if (!SUM) return 0;
+  const char* gpu = src;
+  if (!TO_HOST) {
+    __syncwarp();  // the other lanes' bytes of dst are written and visible
+    gpu = dst;
+  }
   const uint64_t per = (n + WARP - 1) / WARP;
   const uint64_t lo = min(n, lane * per), hi = min(n, lo + per);
   uint32_t c = 0;
-  for (uint64_t i = lo; i < hi; i++) c = T->slice[0][(c ^ (uint8_t)src[i]) & 255] ^ (c >> 8);
+  for (uint64_t i = lo; i < hi; i++) c = T->slice[0][(c ^ (uint8_t)gpu[i]) & 255] ^ (c >> 8);
   return shift_bytes(T, c, n - hi);
 }
 
@@ -169,7 +176,8 @@ __device__ __forceinline__ void kv_copy(const uint64_t* __restrict__ bases, cons
     const int s = (int)(it % nseg);
     char* gpu = (char*)(bases[s] + (uint64_t)pairs[2 * p] * block_stride);
     char* host = (char*)(host_base + (uint64_t)pairs[2 * p + 1] * slot_stride + (uint64_t)s * seg);
-    uint32_t c = TO_HOST ? copy_segment<UNROLL, SUM>(host, gpu, seg, T) : copy_segment<UNROLL, SUM>(gpu, host, seg, T);
+    uint32_t c = TO_HOST ? copy_segment<UNROLL, SUM, true>(host, gpu, seg, T)
+                         : copy_segment<UNROLL, SUM, false>(gpu, host, seg, T);
     if (SUM) {
       for (int off = WARP / 2; off > 0; off /= 2) c ^= __shfl_xor_sync(0xffffffffu, c, off);
       if (threadIdx.x % WARP == 0) sums[it] = c;

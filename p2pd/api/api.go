@@ -10,7 +10,7 @@ import "time"
 // and a token count that the daemon expands (deterministic prompts for
 // tests and demos); kv_transfer_params as vLLM passes them (a
 // remote_kv_source names the peer that holds the prefix); kv_digest is
-// sha256 (default), crc32c or none.
+// crc32c (default), sha256 or none.
 type Request struct {
 	RequestID      string         `json:"request_id,omitempty"`
 	PromptTokenIDs []uint32       `json:"prompt_token_ids,omitempty"`

@@ -462,12 +462,13 @@ func (j *job) copyDone() (bool, error) {
 }
 
 // recordSums keeps each stored block's CRC32C with its CPU slot: the one
-// the copy computed, else (a backend that does not) computed here, off
-// the engine loop, before the store completes.
+// the copy computed, else (a backend that does not, or sums of another
+// length than the copy's: an executor's bug) computed here, off the
+// engine loop, before the store completes.
 func (e *Engine) recordSums(pairs []Pair, sums []uint32) {
 	a := e.m.Arena()
 	for i, p := range pairs {
-		if sums != nil {
+		if len(sums) == len(pairs) {
 			a.SetSum(int(p.CPU), sums[i])
 		} else {
 			a.ClearSum(int(p.CPU))
@@ -514,7 +515,7 @@ func (e *Engine) copied(j *job, err error) {
 			return
 		}
 		if j.hits > 0 {
-			j.keepSums(j.copy.Sums(), func(i int) int { return i })
+			j.keepSums(j.copy.Sums(), j.hits, func(i int) int { return i })
 		}
 		if j.r.FetchOnly {
 			j.src.Missed = len(j.keys) - j.hits
@@ -563,17 +564,19 @@ func (e *Engine) copied(j *job, err error) {
 			e.fail(j, err)
 			return
 		}
-		j.keepSums(j.copy.Sums(), func(i int) int { return j.stored[i] })
+		j.keepSums(j.copy.Sums(), len(j.stored), func(i int) int { return j.stored[i] })
 		e.answer(j)
 	}
 }
 
 // keepSums keeps, for a crc32c digest, the CRC32Cs a finished copy
-// computed of the blocks it moved (nil: it computed none): sums[i] is the
-// block of keys[key(i)]. The bytes a copy moved are the GPU block's: a
-// load wrote them there, a store read them from there.
-func (j *job) keepSums(sums []uint32, key func(i int) int) {
-	if j.r.Digest != DigestCRC32C || sums == nil {
+// computed of the n blocks it moved (nil: it computed none): sums[i] is
+// the block of keys[key(i)]. The bytes a copy moved are the GPU block's: a
+// load wrote them there, a store read them from there. Sums of another
+// length than the copy's (an executor's bug) are not kept: the digest
+// reads those blocks.
+func (j *job) keepSums(sums []uint32, n int, key func(i int) int) {
+	if j.r.Digest != DigestCRC32C || len(sums) != n {
 		return
 	}
 	if j.crcs == nil {
