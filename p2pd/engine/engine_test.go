@@ -276,6 +276,21 @@ func (c *countingExecutor) Load(p []Pair, sums bool) (Copy, error) {
 
 func (c *countingExecutor) Store(p []Pair) (Copy, error) { c.stores++; return c.Executor.Store(p) }
 
+// newCountingEngine is an engine (64 GPU blocks, 32 CPU slots) whose
+// executor is wrap of a countingExecutor over the reference one.
+func newCountingEngine(t *testing.T, wrap func(*countingExecutor) Executor) (*Engine, *countingExecutor) {
+	var x *countingExecutor
+	e, _ := newEngineWith(t, 64, 32, func(m *offload.Manager) Executor {
+		ref, err := NewReference(m, 32, "host", nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		x = &countingExecutor{Executor: ref}
+		return wrap(x)
+	})
+	return e, x
+}
+
 func (c *countingExecutor) Visit(gpu int32, fn func([]byte)) error {
 	c.visits++
 	return c.Executor.Visit(gpu, fn)
@@ -287,15 +302,7 @@ func (c *countingExecutor) Visit(gpu int32, fn func([]byte)) error {
 // caller of Compute/Load/Store; the digest goroutine's Visits end before
 // the answer, so the counts are read after it.)
 func TestExecutorReplaceable(t *testing.T) {
-	var x *countingExecutor
-	e, _ := newEngineWith(t, 64, 32, func(m *offload.Manager) Executor {
-		ref, err := NewReference(m, 32, "host", nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		x = &countingExecutor{Executor: ref}
-		return x
-	})
+	e, x := newCountingEngine(t, func(x *countingExecutor) Executor { return x })
 	ctx := context.Background()
 	for i, id := range []string{"a", "b"} {
 		r, err := e.Submit(ctx, Request{ID: id, Tokens: tokens(1, 16*4), Digest: DigestSHA256})
@@ -476,15 +483,7 @@ func TestDigestOffTheCopies(t *testing.T) {
 		{"short-store-sums", func(x *countingExecutor) Executor { return storeSums{x, true} }, [3]int{4, 4, 6}},
 	} {
 		t.Run(mode.name, func(t *testing.T) {
-			var x *countingExecutor
-			e, _ := newEngineWith(t, 64, 32, func(m *offload.Manager) Executor {
-				ref, err := NewReference(m, 32, "host", nil)
-				if err != nil {
-					t.Fatal(err)
-				}
-				x = &countingExecutor{Executor: ref}
-				return mode.wrap(x)
-			})
+			e, x := newCountingEngine(t, mode.wrap)
 			digest := func(toks []uint32) string {
 				leaves := sha256.New()
 				buf := make([]byte, e.geo.BlockBytes())
