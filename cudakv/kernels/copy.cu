@@ -131,7 +131,7 @@ __device__ __forceinline__ uint32_t copy_vec16(int4* __restrict__ dst, const int
 // their CRC is computed apart from the copy: each lane over a contiguous
 // range of the GPU's side (src for a store, dst for a load once the
 // warp's writes are done), shifted by the bytes after it — never over
-// host memory, where a byte a read is a bus round trip.
+// host memory, where each byte read is a bus round trip.
 template <int UNROLL, bool SUM, bool TO_HOST>
 __device__ __forceinline__ uint32_t copy_segment(char* dst, const char* src, uint64_t n, const crc_tables* T) {
   const uintptr_t a = (uintptr_t)dst | (uintptr_t)src;
