@@ -33,6 +33,7 @@ type Report struct {
 	Waits        int // steps that waited on HitPending or Retry
 	Computed     int // missed and computed
 	Unstored     int // computed but not stored (no evictable slot)
+	Refused      int // computed again: missed because an earlier store of the first missed block found no slot (S2.4)
 	Verified     int // loaded blocks that matched their computed bytes
 	Mismatched   int // loaded blocks that did not
 	WorkingSet   int // distinct blocks
@@ -57,6 +58,7 @@ func Run(m *offload.Manager, spec Spec) (Report, error) {
 	gpu := make([]byte, perReq*bs) // the request's KV "on the GPU"
 	want := make([]byte, bs)
 	seen := map[offload.Key]bool{}
+	kept := map[offload.Key]bool{} // keys a store kept in the CPU tier once
 	rep := Report{HitsBySource: map[string]int{}}
 	start := time.Now()
 	for r := range spec.Requests {
@@ -70,9 +72,6 @@ func Run(m *offload.Manager, spec Spec) (Report, error) {
 			}
 		}
 		keys := offload.BlockKeys(seed, blockTokens, tokens)
-		for _, k := range keys {
-			seen[k] = true
-		}
 		req := &offload.Request{ID: fmt.Sprintf("req-%d", r)}
 		var err error
 		var hits int
@@ -167,6 +166,23 @@ func Run(m *offload.Manager, spec Spec) (Report, error) {
 		rep.Blocks += len(keys)
 		rep.Hits += hits
 		rep.Computed += len(keys) - hits
+		if hits < len(keys) && seen[keys[hits]] && !kept[keys[hits]] {
+			// The prefix stops at a block no store kept: what follows
+			// is computed again, seen before or not.
+			for _, k := range keys[hits:] {
+				if seen[k] {
+					rep.Refused++
+				}
+			}
+		}
+		for _, k := range keys {
+			seen[k] = true
+		}
+		if plan != nil {
+			for _, k := range plan.Keys {
+				kept[k] = true
+			}
+		}
 		if plan == nil {
 			rep.Unstored += len(keys) - hits
 		}

@@ -81,7 +81,10 @@ func TestRunWithDisk(t *testing.T) {
 	if rep.HitsBySource["disk"] == 0 || rep.Mismatched != 0 || rep.Verified != rep.Hits {
 		t.Errorf("disk hits %d, verified %d of %d, mismatched %d", rep.HitsBySource["disk"], rep.Verified, rep.Hits, rep.Mismatched)
 	}
-	if rep.Computed != rep.WorkingSet {
-		t.Errorf("computed %d blocks, want only the %d compulsory misses", rep.Computed, rep.WorkingSet)
+	// A store refused for want of a slot (every slot pinned by cascades
+	// still writing to a slow disk) loses its blocks by design (S2.4);
+	// any other miss of a block stored once is a loss.
+	if rep.Computed != rep.WorkingSet+rep.Refused {
+		t.Errorf("computed %d blocks, want only the %d compulsory misses and the %d after refused stores (%d unstored)", rep.Computed, rep.WorkingSet, rep.Refused, rep.Unstored)
 	}
 }
