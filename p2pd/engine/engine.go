@@ -98,7 +98,14 @@ type Config struct {
 	// Executor replaces the reference executor (a real engine's GPU
 	// side); its GPU cache must have GPUBlocks blocks.
 	Executor Executor
-	Logger   *slog.Logger
+	// LoadWindow bounds how many blocks of a prompt's prefix the engine
+	// has the tiers find or promote at once (Retry, HitPending) before it
+	// looks further: the blocks that are ready load meanwhile, so a long
+	// prefix promoted from a peer or a disk loads part by part while the
+	// next part is promoted. 0: no bound (the whole prefix is looked up at
+	// once and loaded once all of it is ready).
+	LoadWindow int
+	Logger     *slog.Logger
 }
 
 // PauseMode says what a pause does with requests (S5.3).
@@ -113,13 +120,14 @@ const (
 
 // Engine is the scheduler loop and its executor.
 type Engine struct {
-	m     *offload.Manager
-	x     Executor
-	xname string // x.Backend() at New: Backend is read after Close (status during shutdown)
-	log   *slog.Logger
-	geo   offload.Geometry
-	keys  offload.KeyScheme
-	total int
+	m      *offload.Manager
+	x      Executor
+	xname  string // x.Backend() at New: Backend is read after Close (status during shutdown)
+	log    *slog.Logger
+	geo    offload.Geometry
+	keys   offload.KeyScheme
+	total  int
+	window int // Config.LoadWindow
 
 	inbox   chan any      // *job, *pauseCmd, resumeCmd, *shutdownCmd, cancelCmd
 	wake    chan struct{} // copies finished
@@ -149,9 +157,9 @@ type job struct {
 	gpu     []int32
 	start   time.Time
 	phase   int
-	hits    int
+	hits    int // keys[:hits] are loaded or loading
+	part    int // keys[part:hits] is the load in flight (copying)
 	src     api.Sources
-	slots   []int32
 	plan    *offload.StorePlan
 	copy    Copy
 	copying bool
@@ -171,8 +179,8 @@ type jobReply struct {
 }
 
 const (
-	phaseLookup = iota
-	phaseLoading
+	phaseLookup  = iota // finding the prefix, loading what is ready part by part
+	phaseLoading        // the prefix is known: its last part loads
 	phaseStoring
 )
 
@@ -207,6 +215,9 @@ func New(m *offload.Manager, cfg Config) (*Engine, error) {
 	if cfg.GPUBlocks <= 0 {
 		return nil, fmt.Errorf("engine: gpu_blocks %d must be positive", cfg.GPUBlocks)
 	}
+	if cfg.LoadWindow < 0 {
+		return nil, fmt.Errorf("engine: load_window %d is negative", cfg.LoadWindow)
+	}
 	mc := m.Config()
 	x := cfg.Executor
 	if x == nil {
@@ -215,7 +226,7 @@ func New(m *offload.Manager, cfg Config) (*Engine, error) {
 			return nil, err
 		}
 	}
-	e := &Engine{m: m, x: x, log: log, geo: mc.Geometry, keys: mc.KeyScheme(), total: cfg.GPUBlocks,
+	e := &Engine{m: m, x: x, log: log, geo: mc.Geometry, keys: mc.KeyScheme(), total: cfg.GPUBlocks, window: cfg.LoadWindow,
 		inbox: make(chan any, 64), wake: make(chan struct{}, 1), done: make(chan struct{}),
 		hashing: make(chan struct{}, digestWorkers())}
 	for b := cfg.GPUBlocks - 1; b >= 0; b-- {

@@ -346,6 +346,17 @@ func (e *Engine) step() {
 		j.req = &offload.Request{ID: j.r.ID, TransferParams: j.r.TransferParams, Chain: j.chain}
 		admitted = append(admitted, j)
 	}
+	// Finished copies first: a load part that ended lets this step's
+	// lookup start the next.
+	for _, j := range e.active {
+		if j.reply == nil || !j.copying {
+			continue
+		}
+		if done, err := j.copyDone(); done {
+			j.copying = false
+			e.copied(j, err)
+		}
+	}
 	lookups := len(admitted) > 0
 	for _, j := range e.active {
 		lookups = lookups || (j.phase == phaseLookup && j.reply != nil)
@@ -369,33 +380,64 @@ func (e *Engine) step() {
 		}
 		s.OnScheduleEnd()
 	}
-	for _, j := range e.active {
-		if j.reply == nil || !j.copying {
-			continue
-		}
-		if done, err := j.copyDone(); done {
-			j.copying = false
-			e.copied(j, err)
-		}
-	}
 	e.reap()
 	e.finishDone()
 }
 
-// lookup scans a request's prefix (offload.Step.LookupPrefix). Once the
-// prefix is settled it pins the hits and starts their CPU → GPU copy.
+// lookup advances a request's prefix (offload.Step.LookupPrefix, in
+// windows): from the first block not yet loading it scans past Retry and
+// HitPending to the first Miss, as LookupPrefix does, but stops once the
+// tiers are finding or promoting e.window blocks. The leading ready
+// blocks (Hit) start loading at once unless a part of the prefix is still
+// copying: one part at a time, the next takes what became ready
+// meanwhile. So a long prefix promoted from a peer or a disk loads part
+// by part while the next part is promoted. Without a window (0) the whole
+// prefix is scanned and loads in one part once it is settled. Once every
+// block up to the first Miss or the prompt's end loads, the request is in
+// phaseLoading: its last part's end computes the rest.
 func (e *Engine) lookup(s *offload.Step, j *job) {
-	hits, settled := s.LookupPrefix(j.keys, j.req)
-	if !settled {
-		return // progress will wake the loop (S2.10)
+	ready, finding := 0, 0
+	for _, k := range j.keys[j.hits:] {
+		r := s.Lookup(k, j.req)
+		if r == offload.Miss {
+			break
+		}
+		if r == offload.Hit {
+			if finding == 0 {
+				ready++
+			}
+			continue
+		}
+		finding++
+		if finding == e.window {
+			break
+		}
 	}
-	slots, err := s.PrepareLoad(j.keys[:hits], j.req)
-	if err != nil {
-		e.failIn(s, j, err)
+	if j.copying {
+		return // its end steps again
+	}
+	known := finding == 0 // the prefix ends at the first Miss or the prompt's end
+	if e.window == 0 && !known {
+		return // no window: the whole prefix loads at once, once settled (S2.10: progress wakes the loop)
+	}
+	if ready > 0 && !e.loadPart(s, j, ready) {
 		return
 	}
-	j.hits, j.slots = hits, slots
-	for _, k := range j.keys[:hits] {
+	if known {
+		j.phase = phaseLoading
+	}
+}
+
+// loadPart pins the next n blocks of j's prefix, ready in the CPU tier,
+// and starts their CPU → GPU copy; false when the request failed.
+func (e *Engine) loadPart(s *offload.Step, j *job, n int) bool {
+	keys := j.keys[j.hits : j.hits+n]
+	slots, err := s.PrepareLoad(keys, j.req)
+	if err != nil {
+		e.failIn(s, j, err)
+		return false
+	}
+	for _, k := range keys {
 		switch s.LoadSource(k, j.req) {
 		case "cpu":
 			j.src.CPU++
@@ -405,18 +447,17 @@ func (e *Engine) lookup(s *offload.Step, j *job) {
 			j.src.Peer++
 		}
 	}
-	j.phase = phaseLoading
-	if hits == 0 {
-		return // nothing to load: compute at once (copied runs below)
-	}
-	pairs := make([]Pair, hits)
+	pairs := make([]Pair, n)
 	for i := range pairs {
-		pairs[i] = Pair{GPU: j.gpu[i], CPU: slots[i]}
+		pairs[i] = Pair{GPU: j.gpu[j.hits+i], CPU: slots[i]}
 	}
+	j.part, j.hits = j.hits, j.hits+n
 	sums := j.r.Digest == DigestCRC32C // the digest's leaves, off the load
 	if err := e.start(j, func() (Copy, error) { return e.x.Load(pairs, sums) }, nil); err != nil {
 		e.failIn(s, j, err)
+		return false
 	}
+	return true
 }
 
 // start runs a copy; stored, when not nil, are the pairs of a store, whose
@@ -487,26 +528,25 @@ func (e *Engine) failIn(s *offload.Step, j *job, err error) {
 	e.abortIn(s, j, err)
 }
 
-// finishDone advances requests in the loading phase with nothing to load.
+// finishDone advances requests whose prefix is known and loaded: the
+// lookup that found its end started no part (the last had ended, or there
+// was nothing to load).
 func (e *Engine) finishDone() {
 	for _, j := range e.active {
-		if j.reply != nil && j.phase == phaseLoading && !j.copying && j.hits == 0 {
-			e.copied(j, nil)
+		if j.reply != nil && j.phase == phaseLoading && !j.copying {
+			e.loaded(j)
 		}
 	}
 }
 
-// copied advances a request whose copy finished: after the load, compute
-// the missing blocks and store them; after the store, answer.
+// copied advances a request whose copy finished: after a load part,
+// release its pins (and, after the last, go on as loaded); after the
+// store, answer.
 func (e *Engine) copied(j *job, err error) {
 	switch j.phase {
-	case phaseLoading:
+	case phaseLookup, phaseLoading:
 		var cerr error
-		e.m.Do(func(s *offload.Step) {
-			if j.hits > 0 {
-				cerr = s.CompleteLoad(j.keys[:j.hits], j.req)
-			}
-		})
+		e.m.Do(func(s *offload.Step) { cerr = s.CompleteLoad(j.keys[j.part:j.hits], j.req) })
 		if err == nil {
 			err = cerr
 		}
@@ -514,49 +554,9 @@ func (e *Engine) copied(j *job, err error) {
 			e.fail(j, err)
 			return
 		}
-		if j.hits > 0 {
-			j.keepSums(j.copy.Sums(), j.hits, func(i int) int { return i })
-		}
-		if j.r.FetchOnly {
-			j.src.Missed = len(j.keys) - j.hits
-			j.phase = phaseStoring
-			e.answer(j)
-			return
-		}
-		for i := j.hits; i < len(j.keys); i++ {
-			if err := e.x.Compute(j.gpu[i], j.keys[i]); err != nil {
-				e.fail(j, err)
-				return
-			}
-			j.src.Computed++
-		}
-		var plan *offload.StorePlan
-		e.m.Do(func(s *offload.Step) { plan, err = s.PrepareStore(j.keys[j.hits:], j.req) })
-		if err != nil {
-			e.fail(j, err)
-			return
-		}
-		j.plan = plan
-		j.phase = phaseStoring
-		if plan == nil || len(plan.Keys) == 0 {
-			e.answer(j)
-			return
-		}
-		index := map[offload.Key]int{}
-		for i, k := range j.keys {
-			index[k] = i
-		}
-		pairs := make([]Pair, len(plan.Keys))
-		j.stored = make([]int, len(plan.Keys))
-		for i, k := range plan.Keys {
-			j.stored[i] = index[k]
-			pairs[i] = Pair{GPU: j.gpu[index[k]], CPU: plan.Slots[i]}
-		}
-		if err := e.start(j, func() (Copy, error) { return e.x.Store(pairs) }, pairs); err != nil {
-			e.m.Do(func(s *offload.Step) {
-				s.CompleteStore(plan.Keys, j.req, false)
-				e.failIn(s, j, err)
-			})
+		j.keepSums(j.copy.Sums(), j.hits-j.part, func(i int) int { return j.part + i })
+		if j.phase == phaseLoading {
+			e.loaded(j)
 		}
 	case phaseStoring:
 		e.m.Do(func(s *offload.Step) { s.CompleteStore(j.plan.Keys, j.req, err == nil) })
@@ -566,6 +566,53 @@ func (e *Engine) copied(j *job, err error) {
 		}
 		j.keepSums(j.copy.Sums(), len(j.stored), func(i int) int { return j.stored[i] })
 		e.answer(j)
+	}
+}
+
+// loaded advances a request whose prefix is loaded: compute the missing
+// blocks and store them (a fetch_only request answers at once).
+func (e *Engine) loaded(j *job) {
+	if j.r.FetchOnly {
+		j.src.Missed = len(j.keys) - j.hits
+		j.phase = phaseStoring
+		e.answer(j)
+		return
+	}
+	for i := j.hits; i < len(j.keys); i++ {
+		if err := e.x.Compute(j.gpu[i], j.keys[i]); err != nil {
+			e.fail(j, err)
+			return
+		}
+		j.src.Computed++
+	}
+	var plan *offload.StorePlan
+	var err error
+	e.m.Do(func(s *offload.Step) { plan, err = s.PrepareStore(j.keys[j.hits:], j.req) })
+	if err != nil {
+		e.fail(j, err)
+		return
+	}
+	j.plan = plan
+	j.phase = phaseStoring
+	if plan == nil || len(plan.Keys) == 0 {
+		e.answer(j)
+		return
+	}
+	index := map[offload.Key]int{}
+	for i, k := range j.keys {
+		index[k] = i
+	}
+	pairs := make([]Pair, len(plan.Keys))
+	j.stored = make([]int, len(plan.Keys))
+	for i, k := range plan.Keys {
+		j.stored[i] = index[k]
+		pairs[i] = Pair{GPU: j.gpu[index[k]], CPU: plan.Slots[i]}
+	}
+	if err := e.start(j, func() (Copy, error) { return e.x.Store(pairs) }, pairs); err != nil {
+		e.m.Do(func(s *offload.Step) {
+			s.CompleteStore(plan.Keys, j.req, false)
+			e.failIn(s, j, err)
+		})
 	}
 }
 

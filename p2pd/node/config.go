@@ -31,6 +31,10 @@ type Config struct {
 	AdminTCP string `json:"admin_tcp"`
 	// GPUBlocks is the engine's GPU KV cache in blocks.
 	GPUBlocks int `json:"gpu_blocks"`
+	// LoadWindow bounds the blocks of a prompt's prefix the engine has
+	// the tiers find or promote at once, loading the ready ones meanwhile
+	// (engine.Config.LoadWindow); 0: the whole prefix at once.
+	LoadWindow int `json:"load_window"`
 	// CPUSlots, when set, sizes cpu_bytes to that many slots.
 	CPUSlots int `json:"cpu_slots"`
 	// CopyBackend is cudakv's backend: auto, cuda or host.
@@ -84,6 +88,8 @@ func (c *Config) Validate() error {
 		return fmt.Errorf("%w: admin: empty", offload.ErrConfig)
 	case c.GPUBlocks <= 0 || c.GPUBlocks > 1<<24:
 		return fmt.Errorf("%w: gpu_blocks: %d is not in [1, 16777216]", offload.ErrConfig, c.GPUBlocks)
+	case c.LoadWindow < 0 || c.LoadWindow > 1<<24:
+		return fmt.Errorf("%w: load_window: %d is not in [0, 16777216]", offload.ErrConfig, c.LoadWindow)
 	case c.CPUSlots < 0:
 		return fmt.Errorf("%w: cpu_slots: %d is negative", offload.ErrConfig, c.CPUSlots)
 	case c.CopyBackend != "auto" && c.CopyBackend != "cuda" && c.CopyBackend != "host":

@@ -27,6 +27,7 @@ func TestConfig(t *testing.T) {
 		"admin":              func(c *Config) { c.Admin = "" },
 		"admin_tcp":          func(c *Config) { c.AdminTCP = "0.0.0.0:9000" },
 		"gpu_blocks":         func(c *Config) { c.GPUBlocks = 0 },
+		"load_window":        func(c *Config) { c.LoadWindow = -1 },
 		"cpu_slots":          func(c *Config) { c.CPUSlots = -1 },
 		"copy_backend":       func(c *Config) { c.CopyBackend = "tpu" },
 		"log_format":         func(c *Config) { c.LogFormat = "xml" },

@@ -83,7 +83,7 @@ func Start(cfg Config, log *slog.Logger) (*Node, error) {
 		}
 		log.Info("publishing KV events in vLLM's format", "endpoint", n.vllm.pub.Addr().String(), "topic", cfg.KVEventsTopic)
 	}
-	n.Eng, err = engine.New(m, engine.Config{GPUBlocks: cfg.GPUBlocks, Backend: cfg.CopyBackend, Logger: log})
+	n.Eng, err = engine.New(m, engine.Config{GPUBlocks: cfg.GPUBlocks, LoadWindow: cfg.LoadWindow, Backend: cfg.CopyBackend, Logger: log})
 	if err != nil {
 		m.Close()
 		n.closeEvents()

@@ -511,3 +511,23 @@ func TestFetchOnly(t *testing.T) {
 		t.Errorf("a fetch_only request stored blocks it did not fetch: %s", out)
 	}
 }
+
+// engine.Config.LoadWindow over a real peer: a consumer with a window of 5
+// blocks fetches a 12-block prompt in three rounds of one request (5, 5
+// and 2 blocks, each a lookup and a fetch), loading each part while the
+// next arrives; the answer is the producer's, and so is a fetch_only one.
+func TestFetchInWindows(t *testing.T) {
+	prod, cons := start(t), start(t, "-load-window", "5")
+	fetch(t, prod, cons, 23, "kv-w")
+	if n := cons.metric("kv_offload_p2p_rounds_ok_total"); n != 3 {
+		t.Errorf("the consumer loaded %v rounds, want 3 (12 blocks in windows of 5)", n)
+	}
+	want, out, code := prod.submit("--tokens-seed", "24", "--tokens", "200")
+	if code != 0 {
+		t.Fatalf("producer: %d %s", code, out)
+	}
+	got, out, code := cons.submit("--tokens-seed", "24", "--tokens", "200", "--remote-kv-source", prod.p2p, "--kv-request-id", "kv-w2", "--fetch-only")
+	if code != 0 || got.Sources.Peer != 12 || got.Sources.Missed != 0 || got.KVDigest != want.KVDigest {
+		t.Fatalf("fetch_only in windows: %d %s; want 12 blocks from the peer, the producer's digest", code, out)
+	}
+}

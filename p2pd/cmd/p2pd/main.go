@@ -122,6 +122,7 @@ func flags(d node.Config) (*flag.FlagSet, func(cfg *node.Config, set map[string]
 		dtypeBytes = fs.Int("dtype-bytes", d.Geometry.DTypeBytes(), "custom geometry: bytes per element (1, 2 or 4)")
 		cpuSlots   = fs.Int("cpu-slots", d.CPUSlots, "CPU tier slots (overrides cpu_bytes)")
 		gpuBlocks  = fs.Int("gpu-blocks", d.GPUBlocks, "GPU KV cache blocks")
+		loadWindow = fs.Int("load-window", d.LoadWindow, "blocks of a prefix found or promoted at once while the ready ones load (0: the whole prefix)")
 		diskDir    = fs.String("disk-dir", d.DiskDir, "disk tier directory (default: no disk tier)")
 		diskBytes  = fs.Int64("disk-bytes", d.DiskBytes, "disk tier cap in bytes")
 		pollEvery  = fs.Duration("tier-poll-interval", time.Duration(d.TierPollInterval), "how often the poll goroutine services polled tiers (≤ 0: engine steps service them; docs/operations.md)")
@@ -176,6 +177,7 @@ func flags(d node.Config) (*flag.FlagSet, func(cfg *node.Config, set map[string]
 		}
 		apply("cpu-slots", func() { cfg.CPUSlots = *cpuSlots })
 		apply("gpu-blocks", func() { cfg.GPUBlocks = *gpuBlocks })
+		apply("load-window", func() { cfg.LoadWindow = *loadWindow })
 		apply("event-history", func() { cfg.EventHistory = *evHistory })
 		apply("kv-events-endpoint", func() { cfg.KVEventsEndpoint = *kvEvents })
 		apply("kv-events-topic", func() { cfg.KVEventsTopic = *kvTopic })

@@ -1,7 +1,9 @@
 #!/bin/sh
 # kvbench on a GPU host that has only the NVIDIA driver (make gpu-bundle
 # copies this to bin/gpu-bundle/kvbench.sh, beside p2pd and kvbench): B1
-# and the whole request with the daemons' GPU caches in device memory, B2
+# and the whole request with the daemons' GPU caches in device memory (also
+# with a consumer whose load_window is 64, alternating: where the load is
+# the GPU's copy it should overlap the fetch; compare the two rows), B2
 # on a machine with many cores, B3, B4, M1. The run fails unless both
 # daemons copy with CUDA. Results go to $OUT (or ./results);
 # KVBENCH_ARGS passes flags to kvbench (e.g. -rounds 3 -data-planes tcp).

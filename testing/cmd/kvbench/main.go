@@ -65,6 +65,10 @@ var daemonArgs argList
 // of measuring the host backend when the daemons found no GPU.
 var requireCopies string
 
+// loadWindow, when positive, is the load_window of a second consumer the
+// whole request is timed on beside the first (-load-window).
+var loadWindow int
+
 type argList []string
 
 func (a *argList) String() string     { return strings.Join(*a, " ") }
@@ -81,6 +85,7 @@ func main() {
 	planes := flag.String("data-planes", "tcp", "P2P data planes to measure B1 over: tcp, tcp+token (a cluster token on both daemons), tcp+tls (mutual TLS on, certificates from a throwaway CA), tcp+token+tls, nixl (needs p2pd built with make build-nixl)")
 	out := flag.String("json", "kvbench.json", "where to write the table as JSON")
 	flag.Var(&daemonArgs, "p2pd-arg", "an argument for both p2pd daemons (repeatable), e.g. -p2pd-arg=-data-conns=1")
+	flag.IntVar(&loadWindow, "load-window", 64, "also time the whole request with a second consumer whose load_window is this, alternating with the first (0: skip)")
 	flag.StringVar(&requireCopies, "require-copies", "", "fail unless every daemon's copy backend (status \"copies\") starts with this, e.g. cuda")
 	flag.Parse()
 	rows, err := run(*bin, strings.Split(*planes, ","), *blocks, *rounds)
@@ -139,6 +144,23 @@ type pair struct {
 	want       api.Result
 	blocks     int
 	round      int
+	dir, bin   string
+	consArgs   []string // the consumer's arguments
+}
+
+// withConsumer is the pair's producer with a second consumer, started
+// with the first's arguments and extra after them; kill stops only it.
+func (p *pair) withConsumer(name string, extra ...string) (*pair, error) {
+	cons, err := daemon.Start(p.dir, p.bin, name, p.prod.Slots, append(slices.Clip(p.consArgs), extra...)...)
+	if err != nil {
+		return nil, err
+	}
+	q := &pair{prod: p.prod, cons: cons, want: p.want, blocks: p.blocks, round: 1 << 20}
+	if _, err := q.fetch(); err != nil { // warm-up
+		cons.Kill()
+		return nil, err
+	}
+	return q, nil
 }
 
 func startPair(dir, bin, plane string, blocks int) (*pair, error) {
@@ -178,12 +200,13 @@ func startPair(dir, bin, plane string, blocks int) (*pair, error) {
 	if err != nil {
 		return nil, err
 	}
-	cons, err := daemon.Start(dir, bin, "consumer-"+plane, slots, append(args, consTLS...)...)
+	consArgs := append(slices.Clip(args), consTLS...)
+	cons, err := daemon.Start(dir, bin, "consumer-"+plane, slots, consArgs...)
 	if err != nil {
 		prod.Kill()
 		return nil, err
 	}
-	p := &pair{prod: prod, cons: cons, blocks: blocks}
+	p := &pair{prod: prod, cons: cons, blocks: blocks, dir: dir, bin: bin, consArgs: consArgs}
 	for _, d := range []*daemon.Proc{prod, cons} {
 		if !strings.HasPrefix(d.Copies, requireCopies) {
 			p.kill()
@@ -340,6 +363,39 @@ func run(bin string, planes []string, blocks, rounds int) ([]Row, error) {
 			row.Target, row.Verdict = "≥ 0.8", verdict(w/b >= 0.8)
 		}
 		rows = append(rows, row)
+	}
+	// The whole request again, alternating between the first pair's
+	// consumer and one with -load-window (engine.Config.LoadWindow): its
+	// loads overlap the fetch, which pays where the CPU → GPU load is the
+	// GPU's DMA and costs where it is a memcpy on the fetch's own cores.
+	if loadWindow > 0 {
+		alt, err := first.withConsumer("consumer-window", fmt.Sprintf("-load-window=%d", loadWindow))
+		if err != nil {
+			return rows, fmt.Errorf("consumer with load_window %d: %w", loadWindow, err)
+		}
+		var ws, as []float64
+		total := float64(first.blocks * daemon.BlockBytes)
+		for range rounds {
+			for _, x := range []struct {
+				p  *pair
+				rs *[]float64
+			}{{first, &ws}, {alt, &as}} {
+				_, wall, err := x.p.fetchDigest("")
+				if err != nil {
+					alt.cons.Kill()
+					return rows, err
+				}
+				*x.rs = append(*x.rs, total/wall.Seconds()/1e9)
+			}
+		}
+		alt.cons.Kill()
+		for _, x := range []struct {
+			what string
+			rs   []float64
+		}{{"the consumer's load_window as above", ws}, {fmt.Sprintf("load_window %d", loadWindow), as}} {
+			rows = append(rows, Row{"B1", fmt.Sprintf("  the whole request, crc32c, %s (client's wall time, alternating)", x.what),
+				fmt.Sprintf("%.2f GB/s", median(x.rs)), "", fmt.Sprintf("%.2f", median(x.rs)/b), "", ""})
+		}
 	}
 	prod, cons := first.prod, first.cons
 	// The load of B2, B4 and M1 asks for no digest: on a machine with many
