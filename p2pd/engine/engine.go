@@ -99,11 +99,13 @@ type Config struct {
 	// side); its GPU cache must have GPUBlocks blocks.
 	Executor Executor
 	// LoadWindow bounds how many blocks of a prompt's prefix the engine
-	// has the tiers find or promote at once (Retry, HitPending) before it
-	// looks further: the blocks that are ready load meanwhile, so a long
-	// prefix promoted from a peer or a disk loads part by part while the
-	// next part is promoted. 0: no bound (the whole prefix is looked up at
-	// once and loaded once all of it is ready).
+	// has the tiers find out about at once (Retry: a peer's lookup round);
+	// it asks about the next ones as soon as those are answered, while
+	// they are fetched, and the blocks that are ready load meanwhile, one
+	// part at a time. So a long prefix from a peer arrives in rounds
+	// fetched back to back and loads part by part as they land. 0: no
+	// window (the whole prefix is looked up at once and loaded in one copy
+	// once all of it is ready).
 	LoadWindow int
 	Logger     *slog.Logger
 }

@@ -386,37 +386,42 @@ func (e *Engine) step() {
 
 // lookup advances a request's prefix (offload.Step.LookupPrefix, in
 // windows): from the first block not yet loading it scans past Retry and
-// HitPending to the first Miss, as LookupPrefix does, but stops once the
-// tiers are finding or promoting e.window blocks. The leading ready
-// blocks (Hit) start loading at once unless a part of the prefix is still
-// copying: one part at a time, the next takes what became ready
-// meanwhile. So a long prefix promoted from a peer or a disk loads part
-// by part while the next part is promoted. Without a window (0) the whole
-// prefix is scanned and loads in one part once it is settled. Once every
-// block up to the first Miss or the prompt's end loads, the request is in
-// phaseLoading: its last part's end computes the rest.
+// HitPending to the first Miss, as LookupPrefix does, but stops at the
+// e.window-th block the tiers are still finding out about (Retry): a
+// peer is asked about e.window blocks at a time, and about the next ones
+// as soon as those are answered, while they are fetched (HitPending does
+// not stop the scan). The leading ready blocks (Hit) start loading at once
+// unless a part of the prefix is still copying: one part at a time, the
+// next takes what became ready meanwhile. So a long prefix from a peer
+// arrives in rounds fetched back to back and loads part by part as they
+// land. Without a window (0) the whole prefix is scanned and loads in one
+// part once it is settled. Once every block up to the first Miss or the
+// prompt's end loads, the request is in phaseLoading: its last part's end
+// computes the rest.
 func (e *Engine) lookup(s *offload.Step, j *job) {
-	ready, finding := 0, 0
+	ready, unsettled, finding := 0, 0, 0
 	for _, k := range j.keys[j.hits:] {
 		r := s.Lookup(k, j.req)
 		if r == offload.Miss {
 			break
 		}
 		if r == offload.Hit {
-			if finding == 0 {
+			if unsettled == 0 {
 				ready++
 			}
 			continue
 		}
-		finding++
-		if finding == e.window {
-			break
+		unsettled++
+		if r == offload.Retry {
+			if finding++; finding == e.window {
+				break
+			}
 		}
 	}
 	if j.copying {
 		return // its end steps again
 	}
-	known := finding == 0 // the prefix ends at the first Miss or the prompt's end
+	known := unsettled == 0 // the prefix ends at the first Miss or the prompt's end
 	if e.window == 0 && !known {
 		return // no window: the whole prefix loads at once, once settled (S2.10: progress wakes the loop)
 	}

@@ -32,7 +32,7 @@ type Config struct {
 	// GPUBlocks is the engine's GPU KV cache in blocks.
 	GPUBlocks int `json:"gpu_blocks"`
 	// LoadWindow bounds the blocks of a prompt's prefix the engine has
-	// the tiers find or promote at once, loading the ready ones meanwhile
+	// the tiers find out about at once, loading the ready ones meanwhile
 	// (engine.Config.LoadWindow); 0: the whole prefix at once.
 	LoadWindow int `json:"load_window"`
 	// CPUSlots, when set, sizes cpu_bytes to that many slots.

@@ -121,53 +121,111 @@ func (w *windowed) submitBlocks(ctx context.Context, n int) <-chan answer {
 	return got
 }
 
-// The engine loads a prefix from a secondary tier part by part while the
-// next part is promoted (engine.Config.LoadWindow): with a window of 4
-// blocks, the 10 blocks the tier holds are promoted in jobs of 4, 4 and 2
-// keys, each part loads while the next job is still held, and the answer
-// is that of the whole prefix, byte for byte. Without the window the
-// whole prefix is one job and one load.
+// finding makes the tier answer Retry for the prompt's blocks [from, to)
+// (still finding out, as a peer before its answer); found answers from
+// what it holds again and wakes the engine, as a peer's answer does.
+func (w *windowed) finding(from, to int) {
+	for _, k := range w.keys[from:to] {
+		w.ft.Answer(k, offload.Retry)
+	}
+}
+
+func (w *windowed) found(from, to int) {
+	w.h.m.Do(func(*offload.Step) { // at once: no engine step sees a part of them
+		for _, k := range w.keys[from:to] {
+			w.ft.ClearAnswer(k)
+		}
+	})
+	w.ft.Wake()
+}
+
+// held says whether the tier holds exactly the promotions of the given
+// spans of the prompt, in order.
+func (w *windowed) held(spans ...[2]int) bool {
+	ids := w.ft.Held()
+	if len(ids) != len(spans) {
+		return false
+	}
+	loads := w.ft.Calls().Loads
+	for i, id := range ids {
+		var keys []offload.Key
+		for _, j := range loads {
+			if j.ID == id {
+				keys = j.Keys
+			}
+		}
+		if !slices.Equal(keys, w.keys[spans[i][0]:spans[i][1]]) {
+			return false
+		}
+	}
+	return true
+}
+
+// The engine asks a tier that is still finding out (a peer) about a
+// window of blocks at a time and loads the prefix part by part
+// (engine.Config.LoadWindow): with a window of 4, it asks about blocks
+// 0 – 3 alone; once they are answered they are promoted and it asks about
+// 4 – 7 while they arrive, and so on, so the promotions overlap; each part
+// loads as it lands, while the later ones are still promoted; the answer
+// is the whole prefix's, byte for byte.
 func TestEngineLoadsInWindows(t *testing.T) {
-	for _, tc := range []struct {
-		window int
-		jobs   [][2]int // each promotion's keys: [from, to)
-	}{
-		{4, [][2]int{{0, 4}, {4, 8}, {8, 10}}},
-		{0, [][2]int{{0, 10}}},
-	} {
-		w := newWindowed(t, tc.window)
-		w.ft.Hold(true)
-		got := w.submit(context.Background())
-		for n, span := range tc.jobs {
-			until(t, "a promotion", func() bool { return len(w.ft.Held()) == 1 })
-			job := w.ft.Calls().Loads[n]
-			if want := w.keys[span[0]:span[1]]; !slices.Equal(job.Keys, want) {
-				t.Errorf("window %d: promotion %d has %d keys, want keys [%d, %d)", tc.window, n, len(job.Keys), span[0], span[1])
-			}
-			// Every earlier part is loading or loaded while this one is promoted.
-			if loads := w.x.sizes(); len(loads) != n {
-				t.Errorf("window %d: %d loads started while promotion %d is held, want %d", tc.window, len(loads), n, n)
-			}
-			w.ft.Release(job.ID, true)
-			until(t, "the part's load", func() bool { return len(w.x.sizes()) == n+1 })
-		}
-		a := <-got
-		if a.err != nil {
-			t.Fatal(a.err)
-		}
-		var want []int
-		for _, span := range tc.jobs {
-			want = append(want, span[1]-span[0])
-		}
-		if loads := w.x.sizes(); !slices.Equal(loads, want) {
-			t.Errorf("window %d: loads of %v blocks, want %v", tc.window, loads, want)
-		}
-		if a.res.Sources.Peer != 10 || a.res.Sources.Computed != 0 {
-			t.Errorf("window %d: sources %+v, want 10 from the tier", tc.window, a.res.Sources)
-		}
-		if a.res.KVDigest != w.digest {
-			t.Errorf("window %d: digest %s, want %s (the blocks' bytes)", tc.window, a.res.KVDigest, w.digest)
-		}
+	w := newWindowed(t, 4)
+	w.ft.Hold(true)
+	w.finding(0, 10)
+	got := w.submit(context.Background())
+	until(t, "the first window's lookups", func() bool { return w.ft.Calls().Lookups >= 4 })
+	w.found(0, 4)
+	until(t, "the first promotion", func() bool { return w.held([2]int{0, 4}) })
+	w.found(4, 8)
+	until(t, "the second promotion beside the first", func() bool { return w.held([2]int{0, 4}, [2]int{4, 8}) })
+	w.found(8, 10)
+	until(t, "the third promotion beside them", func() bool { return w.held([2]int{0, 4}, [2]int{4, 8}, [2]int{8, 10}) })
+	if loads := w.x.sizes(); len(loads) != 0 {
+		t.Errorf("loads %v before any promotion ended", loads)
+	}
+	for n, id := range w.ft.Held() {
+		w.ft.Release(id, true)
+		until(t, "the part's load", func() bool { return len(w.x.sizes()) == n+1 })
+	}
+	a := <-got
+	if a.err != nil {
+		t.Fatal(a.err)
+	}
+	if loads := w.x.sizes(); !slices.Equal(loads, []int{4, 4, 2}) {
+		t.Errorf("loads of %v blocks, want 4, 4, 2", loads)
+	}
+	if a.res.Sources.Peer != 10 || a.res.Sources.Computed != 0 {
+		t.Errorf("sources %+v, want 10 from the tier", a.res.Sources)
+	}
+	if a.res.KVDigest != w.digest {
+		t.Errorf("digest %s, want %s (the blocks' bytes)", a.res.KVDigest, w.digest)
+	}
+}
+
+// Without a window the same prefix is asked about at once, promoted as
+// one job once all of it is answered, and loaded in one copy.
+func TestEngineWithoutWindow(t *testing.T) {
+	w := newWindowed(t, 0)
+	w.ft.Hold(true)
+	w.finding(0, 10)
+	got := w.submit(context.Background())
+	until(t, "the lookups", func() bool { return w.ft.Calls().Lookups >= 10 })
+	w.found(0, 4)
+	until(t, "the promotion", func() bool { return len(w.ft.Held()) == 1 })
+	if !w.held([2]int{0, 4}) {
+		t.Fatalf("held %v, want the answered blocks 0 – 3", w.ft.Held())
+	}
+	w.found(4, 10)
+	until(t, "the second promotion", func() bool { return len(w.ft.Held()) == 2 })
+	for _, id := range w.ft.Held() {
+		w.ft.Release(id, true)
+	}
+	a := <-got
+	if a.err != nil {
+		t.Fatal(a.err)
+	}
+	if loads := w.x.sizes(); !slices.Equal(loads, []int{10}) || a.res.Sources.Peer != 10 || a.res.KVDigest != w.digest {
+		t.Errorf("loads %v, sources %+v, digest %s; want one load of 10 from the tier, digest %s", loads, a.res.Sources, a.res.KVDigest, w.digest)
 	}
 }
 
@@ -178,11 +236,14 @@ func TestEngineLoadsInWindows(t *testing.T) {
 func TestEngineLeavesBetweenParts(t *testing.T) {
 	w := newWindowed(t, 4)
 	w.ft.Hold(true)
+	w.finding(4, 10)
 	ctx, cancel := context.WithCancel(context.Background())
 	got := w.submit(ctx)
-	until(t, "the first promotion", func() bool { return len(w.ft.Held()) == 1 })
+	until(t, "the first promotion", func() bool { return w.held([2]int{0, 4}) })
 	w.ft.Release(w.ft.Held()[0], true)
-	until(t, "the second promotion", func() bool { return len(w.ft.Calls().Loads) == 2 && len(w.ft.Held()) == 1 })
+	until(t, "the first part's load", func() bool { return len(w.x.sizes()) == 1 })
+	w.found(4, 8)
+	until(t, "the second promotion", func() bool { return w.held([2]int{4, 8}) })
 	cancel()
 	if a := <-got; a.err == nil {
 		t.Fatalf("a cancelled request answered %+v", a.res)
@@ -194,6 +255,7 @@ func TestEngineLeavesBetweenParts(t *testing.T) {
 		mt := w.h.m.Metrics()
 		return mt.CPU.Pinned == 0 && mt.CPU.Writing == 0 && mt.Requests == 0
 	})
+	w.found(8, 10)
 	a := <-w.submit(context.Background())
 	if a.err != nil {
 		t.Fatal(a.err)

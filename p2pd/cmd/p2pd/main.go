@@ -122,7 +122,7 @@ func flags(d node.Config) (*flag.FlagSet, func(cfg *node.Config, set map[string]
 		dtypeBytes = fs.Int("dtype-bytes", d.Geometry.DTypeBytes(), "custom geometry: bytes per element (1, 2 or 4)")
 		cpuSlots   = fs.Int("cpu-slots", d.CPUSlots, "CPU tier slots (overrides cpu_bytes)")
 		gpuBlocks  = fs.Int("gpu-blocks", d.GPUBlocks, "GPU KV cache blocks")
-		loadWindow = fs.Int("load-window", d.LoadWindow, "blocks of a prefix found or promoted at once while the ready ones load (0: the whole prefix)")
+		loadWindow = fs.Int("load-window", d.LoadWindow, "blocks of a prefix asked about at once (a peer's lookup round); the ready ones load meanwhile (0: the whole prefix at once)")
 		diskDir    = fs.String("disk-dir", d.DiskDir, "disk tier directory (default: no disk tier)")
 		diskBytes  = fs.Int64("disk-bytes", d.DiskBytes, "disk tier cap in bytes")
 		pollEvery  = fs.Duration("tier-poll-interval", time.Duration(d.TierPollInterval), "how often the poll goroutine services polled tiers (≤ 0: engine steps service them; docs/operations.md)")

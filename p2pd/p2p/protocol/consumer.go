@@ -397,9 +397,15 @@ func (c *Consumer) Load(r *Req, job *offload.Job, usable bool, now time.Time) {
 	c.emit(ExpectBlocks{Round: l.round, Slots: slots})
 	c.emit(SendFrame{wire.Fetch{ReqID: r.kvID, Round: l.round, Keys: keys, Slots: slots}})
 	r.lookupOpen = false
-	clear(r.probes) // a new round asks again
+	// The round ends: a new one asks again. Keys probed and not yet asked
+	// stay (an engine looking a window further in the step that promoted
+	// these): the next round asks them at once.
+	for k, p := range r.probes {
+		if p.state != probeUnsent {
+			delete(r.probes, k)
+		}
+	}
 	r.asked = 0
-	r.unsent = r.unsent[:0]
 	r.round = 0
 	r.lookups = r.lookups[:0]
 	c.emit(WakeAt{l.sent.Add(c.cs.Config.LoadTimeout)}) // the load's timeout

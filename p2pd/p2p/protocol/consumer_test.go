@@ -38,6 +38,48 @@ func hitLoad(t *testing.T, c *Consumer, r *Req, k offload.Key, job uint64, now t
 	return round
 }
 
+// load_window (engine.Config.LoadWindow): the engine probes the next
+// keys in the step that promotes the answered ones. The load ends the
+// round, but the keys probed and not yet asked stay: the next Ask sends
+// them at once, in a new round, so that their lookup overlaps the fetch.
+func TestConsumerLoadKeepsUnaskedKeys(t *testing.T) {
+	_, c := newCons()
+	t0 := time.Unix(1000, 0)
+	r := c.Add(&offload.Request{ID: "r"}, "kv")
+	round := hitLoad(t, c, r, key(1), 1, t0)
+	if c.Ask(t0) {
+		t.Fatal("a load left a key to ask")
+	}
+	r.Probe([]offload.Key{key(2)})
+	c.Ask(t0)
+	c.Take()
+	if err := c.LookupResp(wire.LookupResp{ReqID: "kv", Round: r.round, Keys: []wire.Key{key(2)}, Hits: []bool{true}}); err != nil {
+		t.Fatal(err)
+	}
+	c.Take()
+	r.Probe([]offload.Key{key(3)}) // the next window, in the step that promotes key 2
+	c.Load(r, &offload.Job{ID: 2, Keys: []offload.Key{key(2)}, Slots: []int32{2}}, true, t0)
+	c.Take()
+	if asked, tracked := r.Probes(); asked != 0 || tracked != 1 {
+		t.Errorf("after the load: %d asked, %d tracked; want key 3 alone, not asked yet", asked, tracked)
+	}
+	prev := round + 1
+	if !c.Ask(t0) {
+		t.Fatal("the key probed before the load was not asked")
+	}
+	var sent []wire.Lookup
+	for _, a := range c.Take() {
+		if f, ok := a.(SendFrame); ok {
+			if m, ok := f.Msg.(wire.Lookup); ok {
+				sent = append(sent, m)
+			}
+		}
+	}
+	if len(sent) != 1 || len(sent[0].Keys) != 1 || sent[0].Keys[0] != wire.Key(key(3)) || sent[0].Round <= prev {
+		t.Errorf("the next Ask sent %+v; want one lookup of key 3 alone, in a round after the loaded one (%d)", sent, prev)
+	}
+}
+
 // S6.6, S6.8 (found in review): a load failed by abort_ack waits for
 // Unexpected; the session dies before it comes: PeerRemoved reports it
 // once, a late Unexpected is a no-op.
