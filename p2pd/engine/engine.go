@@ -138,6 +138,7 @@ type Engine struct {
 	hashing chan struct{} // a token per block being hashed for a kv_digest (digest.go)
 
 	state           atomic.Int32
+	sumsWarned      atomic.Bool // a copy's checksums did not match its blocks (logged once)
 	running, queued atomic.Int32
 
 	// loop-owned

@@ -1,14 +1,17 @@
 package engine
 
 import (
+	"bytes"
 	"context"
 	"crypto/sha256"
 	"encoding/binary"
 	"encoding/hex"
 	"errors"
 	"hash/crc32"
+	"log/slog"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -26,8 +29,14 @@ func newEngine(t *testing.T, slots, gpu int) (*Engine, *offload.Manager) {
 // reference).
 func newEngineWith(t *testing.T, slots, gpu int, x func(*offload.Manager) Executor) (*Engine, *offload.Manager) {
 	t.Helper()
+	return newEngineLogged(t, slots, gpu, x, nil)
+}
+
+// newEngineLogged is newEngineWith logging to log (nil: nowhere).
+func newEngineLogged(t *testing.T, slots, gpu int, x func(*offload.Manager) Executor, log *slog.Logger) (*Engine, *offload.Manager) {
+	t.Helper()
 	m := tinyManager(t, slots)
-	c := Config{GPUBlocks: gpu, Backend: "host"}
+	c := Config{GPUBlocks: gpu, Backend: "host", Logger: log}
 	if x != nil {
 		c.Executor = x(m)
 	}
@@ -277,17 +286,18 @@ func (c *countingExecutor) Load(p []Pair, sums bool) (Copy, error) {
 func (c *countingExecutor) Store(p []Pair) (Copy, error) { c.stores++; return c.Executor.Store(p) }
 
 // newCountingEngine is an engine (64 GPU blocks, 32 CPU slots) whose
-// executor is wrap of a countingExecutor over the reference one.
-func newCountingEngine(t *testing.T, wrap func(*countingExecutor) Executor) (*Engine, *countingExecutor) {
+// executor is wrap of a countingExecutor over the reference one, logging
+// to log (nil: nowhere).
+func newCountingEngine(t *testing.T, wrap func(*countingExecutor) Executor, log *slog.Logger) (*Engine, *countingExecutor) {
 	var x *countingExecutor
-	e, _ := newEngineWith(t, 64, 32, func(m *offload.Manager) Executor {
+	e, _ := newEngineLogged(t, 64, 32, func(m *offload.Manager) Executor {
 		ref, err := NewReference(m, 32, "host", nil)
 		if err != nil {
 			t.Fatal(err)
 		}
 		x = &countingExecutor{Executor: ref}
 		return wrap(x)
-	})
+	}, log)
 	return e, x
 }
 
@@ -302,7 +312,7 @@ func (c *countingExecutor) Visit(gpu int32, fn func([]byte)) error {
 // caller of Compute/Load/Store; the digest goroutine's Visits end before
 // the answer, so the counts are read after it.)
 func TestExecutorReplaceable(t *testing.T) {
-	e, x := newCountingEngine(t, func(x *countingExecutor) Executor { return x })
+	e, x := newCountingEngine(t, func(x *countingExecutor) Executor { return x }, nil)
 	ctx := context.Background()
 	for i, id := range []string{"a", "b"} {
 		r, err := e.Submit(ctx, Request{ID: id, Tokens: tokens(1, 16*4), Digest: DigestSHA256})
@@ -425,6 +435,24 @@ func TestAbortedStoreThatFailedStaysUnreadable(t *testing.T) {
 	})
 }
 
+// syncBuffer is a bytes.Buffer for a logger that goroutines share.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
 // noSums is a Copy whose backend computed no checksums.
 type noSums struct{ Copy }
 
@@ -471,14 +499,16 @@ func TestDigestOffTheCopies(t *testing.T) {
 		name   string
 		wrap   func(*countingExecutor) Executor
 		visits [3]int // after each case, in all
+		warned int    // warnings of checksums not trusted
 	}{
-		{"sums", func(x *countingExecutor) Executor { return x }, [3]int{0, 0, 0}},
-		{"none", func(x *countingExecutor) Executor { return sumlessExecutor{storeSums{x, false}} }, [3]int{4, 8, 12}},
-		{"loads-only", func(x *countingExecutor) Executor { return storeSums{x, false} }, [3]int{4, 4, 6}},
-		{"short-store-sums", func(x *countingExecutor) Executor { return storeSums{x, true} }, [3]int{4, 4, 6}},
+		{"sums", func(x *countingExecutor) Executor { return x }, [3]int{0, 0, 0}, 0},
+		{"none", func(x *countingExecutor) Executor { return sumlessExecutor{storeSums{x, false}} }, [3]int{4, 8, 12}, 0},
+		{"loads-only", func(x *countingExecutor) Executor { return storeSums{x, false} }, [3]int{4, 4, 6}, 0},
+		{"short-store-sums", func(x *countingExecutor) Executor { return storeSums{x, true} }, [3]int{4, 4, 6}, 1},
 	} {
 		t.Run(mode.name, func(t *testing.T) {
-			e, x := newCountingEngine(t, mode.wrap)
+			var logs syncBuffer
+			e, x := newCountingEngine(t, mode.wrap, slog.New(slog.NewTextHandler(&logs, nil)))
 			digest := func(toks []uint32) string {
 				leaves := sha256.New()
 				buf := make([]byte, e.geo.BlockBytes())
@@ -505,6 +535,10 @@ func TestDigestOffTheCopies(t *testing.T) {
 				if x.visits != wantVisits || x.loads != wantLoads {
 					t.Errorf("after %s: %d visits, %d loads; want %d, %d", c.id, x.visits, x.loads, wantVisits, wantLoads)
 				}
+			}
+			// Two stores returned too few: one warning names the executor's bug.
+			if n := strings.Count(logs.String(), "checksums of another number of blocks"); n != mode.warned {
+				t.Errorf("%d warnings of untrusted checksums, want %d:\n%s", n, mode.warned, logs.String())
 			}
 		})
 	}

@@ -512,6 +512,7 @@ func (j *job) copyDone() (bool, error) {
 // length than the copy's: an executor's bug) computed here, off the
 // engine loop, before the store completes.
 func (e *Engine) recordSums(pairs []Pair, sums []uint32) {
+	sums = e.checkSums("store", sums, len(pairs))
 	a := e.m.Arena()
 	for i, p := range pairs {
 		if len(sums) == len(pairs) {
@@ -559,7 +560,7 @@ func (e *Engine) copied(j *job, err error) {
 			e.fail(j, err)
 			return
 		}
-		j.keepSums(j.copy.Sums(), j.hits-j.part, func(i int) int { return j.part + i })
+		j.keepSums(e.checkSums("load", j.copy.Sums(), j.hits-j.part), j.hits-j.part, func(i int) int { return j.part + i })
 		if j.phase == phaseLoading {
 			e.loaded(j)
 		}
@@ -569,7 +570,7 @@ func (e *Engine) copied(j *job, err error) {
 			e.fail(j, err)
 			return
 		}
-		j.keepSums(j.copy.Sums(), len(j.stored), func(i int) int { return j.stored[i] })
+		j.keepSums(e.checkSums("store", j.copy.Sums(), len(j.stored)), len(j.stored), func(i int) int { return j.stored[i] })
 		e.answer(j)
 	}
 }
@@ -619,6 +620,20 @@ func (e *Engine) loaded(j *job) {
 			e.failIn(s, j, err)
 		})
 	}
+}
+
+// checkSums returns a copy's checksums of its n blocks, or nil when the
+// copy returned another number of them (an executor's bug: logged, once
+// per engine), so that the blocks are read instead.
+func (e *Engine) checkSums(op string, sums []uint32, n int) []uint32 {
+	if sums == nil || len(sums) == n {
+		return sums
+	}
+	if e.sumsWarned.CompareAndSwap(false, true) {
+		e.log.Warn("engine: a copy returned checksums of another number of blocks than it moved (an executor's bug); "+
+			"they are not trusted, the blocks are read instead (logged once)", "copy", op, "checksums", len(sums), "blocks", n)
+	}
+	return nil
 }
 
 // keepSums keeps, for a crc32c digest, the CRC32Cs a finished copy
