@@ -103,7 +103,7 @@ type Config struct {
 	// it asks about the next ones as soon as those are answered, while
 	// they are fetched, and the blocks that are ready load meanwhile, one
 	// part at a time. So a long prefix from a peer arrives in rounds
-	// fetched back to back and loads part by part as they land. 0: no
+	// fetched without a gap and loads part by part as they land. 0: no
 	// window (the whole prefix is looked up at once and loaded in one copy
 	// once all of it is ready).
 	LoadWindow int

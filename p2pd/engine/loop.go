@@ -393,7 +393,7 @@ func (e *Engine) step() {
 // not stop the scan). The leading ready blocks (Hit) start loading at once
 // unless a part of the prefix is still copying: one part at a time, the
 // next takes what became ready meanwhile. So a long prefix from a peer
-// arrives in rounds fetched back to back and loads part by part as they
+// arrives in rounds fetched without a gap and loads part by part as they
 // land. Without a window (0) the whole prefix is scanned and loads in one
 // part once it is settled. Once every block up to the first Miss or the
 // prompt's end loads, the request is in phaseLoading: its last part's end

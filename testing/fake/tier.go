@@ -28,6 +28,7 @@ type Tier struct {
 	serve   func(p offload.Parent) error
 	polled  bool
 	peer    map[uint64]bool // leases taken through the Parent (Run)
+	looked  map[offload.Key]bool
 }
 
 // Calls records what the manager asked of the tier.
@@ -179,6 +180,13 @@ func (t *Tier) Inject(r offload.JobResult) {
 	t.done = append(t.done, r)
 }
 
+// LookedUp says whether the manager ever looked k up in the tier.
+func (t *Tier) LookedUp(k offload.Key) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.looked[k]
+}
+
 // Calls returns a copy of what the manager asked so far.
 func (t *Tier) Calls() Calls {
 	t.mu.Lock()
@@ -244,6 +252,10 @@ func (t *Tier) Lookup(k offload.Key, _ *offload.Request) offload.Result {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	t.calls.Lookups++
+	if t.looked == nil {
+		t.looked = make(map[offload.Key]bool)
+	}
+	t.looked[k] = true
 	if r, ok := t.answers[k]; ok {
 		return r
 	}

@@ -174,6 +174,12 @@ func TestEngineLoadsInWindows(t *testing.T) {
 	w.finding(0, 10)
 	got := w.submit(context.Background())
 	until(t, "the first window's lookups", func() bool { return w.ft.Calls().Lookups >= 4 })
+	w.h.m.Do(func(*offload.Step) {}) // the engine's step that asked them has ended
+	for i, k := range w.keys[4:] {
+		if w.ft.LookedUp(k) {
+			t.Errorf("block %d, beyond the window, was looked up before the window was answered", 4+i)
+		}
+	}
 	w.found(0, 4)
 	until(t, "the first promotion", func() bool { return w.held([2]int{0, 4}) })
 	w.found(4, 8)
