@@ -333,6 +333,12 @@ func (e *Engine) release(j *job) {
 // and advances requests whose copies finished.
 func (e *Engine) step() {
 	if !e.stepping() {
+		// Frozen requests (a keep-mode pause, paused), but the tiers that
+		// only steps service go on: their jobs end, and the pause can
+		// complete (S5.3).
+		if e.m.HasPendingWork() {
+			e.m.Do(func(*offload.Step) {})
+		}
 		return
 	}
 	// Admit in order while GPU blocks last.

@@ -310,3 +310,30 @@ func TestEngineLoadsReadyPartFirst(t *testing.T) {
 		}
 	}
 }
+
+// S5.3: a keep-mode pause freezes the requests, but not the tiers: a
+// promotion in flight in a tier that only the engine's steps service (not
+// polled) still completes, and the pause returns once it has, instead of
+// timing out while the frozen engine never steps. On resume the request
+// goes on and loads the promoted blocks. (Found in the review of
+// load_window; it held without a window too.)
+func TestPauseKeepLetsTiersFinish(t *testing.T) {
+	w := newWindowed(t, 0)
+	w.ft.Hold(true)
+	got := w.submit(context.Background())
+	until(t, "the promotion", func() bool { return len(w.ft.Held()) == 1 })
+	paused := make(chan error, 1)
+	go func() { paused <- w.e.Pause(engine.PauseKeep, false, 10*time.Second) }()
+	until(t, "the pause", func() bool { return w.e.State() != engine.Running })
+	w.ft.Release(w.ft.Held()[0], true)
+	if err := <-paused; err != nil {
+		t.Fatalf("keep-mode pause with a promotion that ended: %v", err)
+	}
+	if err := w.e.Resume(); err != nil {
+		t.Fatal(err)
+	}
+	a := <-got
+	if a.err != nil || a.res.Sources.Peer != 10 || a.res.KVDigest != w.digest {
+		t.Errorf("after resume: %+v, %v; want 10 blocks from the tier, digest %s", a.res, a.err, w.digest)
+	}
+}
