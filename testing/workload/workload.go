@@ -33,7 +33,7 @@ type Report struct {
 	Waits        int // steps that waited on HitPending or Retry
 	Computed     int // missed and computed
 	Unstored     int // computed but not stored (no evictable slot)
-	Refused      int // computed again: missed because an earlier store of the first missed block found no slot (S2.4)
+	Refused      int // computed again: the prefix stopped at a block seen before that no store kept, or that no CPU slot could be freed to promote (S2.4)
 	Verified     int // loaded blocks that matched their computed bytes
 	Mismatched   int // loaded blocks that did not
 	WorkingSet   int // distinct blocks
@@ -83,6 +83,7 @@ func Run(m *offload.Manager, spec Spec) (Report, error) {
 			return rep, err
 		}
 		var slots []int32
+		unpromoted := m.Metrics().PromotionAllocFailures
 		for {
 			s := m.Begin()
 			hits = 0
@@ -166,9 +167,12 @@ func Run(m *offload.Manager, spec Spec) (Report, error) {
 		rep.Blocks += len(keys)
 		rep.Hits += hits
 		rep.Computed += len(keys) - hits
-		if hits < len(keys) && seen[keys[hits]] && !kept[keys[hits]] {
-			// The prefix stops at a block no store kept: what follows
-			// is computed again, seen before or not.
+		unpromoted = m.Metrics().PromotionAllocFailures - unpromoted
+		if hits < len(keys) && seen[keys[hits]] && (!kept[keys[hits]] || unpromoted > 0) {
+			// The prefix stops at a block no store kept, or at one a
+			// secondary tier holds but no CPU slot could be freed for
+			// (every slot pinned): what follows is computed again, seen
+			// before or not.
 			for _, k := range keys[hits:] {
 				if seen[k] {
 					rep.Refused++

@@ -82,9 +82,12 @@ func TestRunWithDisk(t *testing.T) {
 		t.Errorf("disk hits %d, verified %d of %d, mismatched %d", rep.HitsBySource["disk"], rep.Verified, rep.Hits, rep.Mismatched)
 	}
 	// A store refused for want of a slot (every slot pinned by cascades
-	// still writing to a slow disk) loses its blocks by design (S2.4);
-	// any other miss of a block stored once is a loss.
+	// still writing to a slow disk) loses its blocks by design (S2.4), and
+	// so does a disk hit no slot could be freed to promote (seen under the
+	// race detector beside other tests: 3 promotions refused, 4 blocks
+	// computed again); any other miss of a block stored once is a loss.
 	if rep.Computed != rep.WorkingSet+rep.Refused {
-		t.Errorf("computed %d blocks, want only the %d compulsory misses and the %d after refused stores (%d unstored)", rep.Computed, rep.WorkingSet, rep.Refused, rep.Unstored)
+		t.Errorf("computed %d blocks, want only the %d compulsory misses and the %d after refused stores or promotions (%d unstored, %d promotions refused)",
+			rep.Computed, rep.WorkingSet, rep.Refused, rep.Unstored, rep.ManagerStats.PromotionAllocFailures)
 	}
 }
