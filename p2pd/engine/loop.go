@@ -521,7 +521,7 @@ func (e *Engine) recordSums(pairs []Pair, sums []uint32) {
 	sums = e.checkSums("store", sums, len(pairs))
 	a := e.m.Arena()
 	for i, p := range pairs {
-		if len(sums) == len(pairs) {
+		if sums != nil {
 			a.SetSum(int(p.CPU), sums[i])
 		} else {
 			a.ClearSum(int(p.CPU))
@@ -566,7 +566,7 @@ func (e *Engine) copied(j *job, err error) {
 			e.fail(j, err)
 			return
 		}
-		j.keepSums(e.checkSums("load", j.copy.Sums(), j.hits-j.part), j.hits-j.part, func(i int) int { return j.part + i })
+		j.keepSums(e.checkSums("load", j.copy.Sums(), j.hits-j.part), func(i int) int { return j.part + i })
 		if j.phase == phaseLoading {
 			e.loaded(j)
 		}
@@ -576,7 +576,7 @@ func (e *Engine) copied(j *job, err error) {
 			e.fail(j, err)
 			return
 		}
-		j.keepSums(e.checkSums("store", j.copy.Sums(), len(j.stored)), len(j.stored), func(i int) int { return j.stored[i] })
+		j.keepSums(e.checkSums("store", j.copy.Sums(), len(j.stored)), func(i int) int { return j.stored[i] })
 		e.answer(j)
 	}
 }
@@ -643,13 +643,12 @@ func (e *Engine) checkSums(op string, sums []uint32, n int) []uint32 {
 }
 
 // keepSums keeps, for a crc32c digest, the CRC32Cs a finished copy
-// computed of the n blocks it moved (nil: it computed none): sums[i] is
-// the block of keys[key(i)]. The bytes a copy moved are the GPU block's: a
-// load wrote them there, a store read them from there. Sums of another
-// length than the copy's (an executor's bug) are not kept: the digest
-// reads those blocks.
-func (j *job) keepSums(sums []uint32, n int, key func(i int) int) {
-	if j.r.Digest != DigestCRC32C || len(sums) != n {
+// computed of the blocks it moved, as checkSums passed them (nil: none to
+// trust; the digest reads those blocks): sums[i] is the block of
+// keys[key(i)]. The bytes a copy moved are the GPU block's: a load wrote
+// them there, a store read them from there.
+func (j *job) keepSums(sums []uint32, key func(i int) int) {
+	if j.r.Digest != DigestCRC32C || sums == nil {
 		return
 	}
 	if j.crcs == nil {

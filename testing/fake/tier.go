@@ -27,8 +27,8 @@ type Tier struct {
 	calls   Calls
 	serve   func(p offload.Parent) error
 	polled  bool
-	peer    map[uint64]bool // leases taken through the Parent (Run)
-	looked  map[offload.Key]bool
+	peer    map[uint64]bool      // leases taken through the Parent (Run)
+	looked  map[offload.Key]bool // every key looked up (LookedUp)
 }
 
 // Calls records what the manager asked of the tier.
@@ -46,7 +46,7 @@ type Calls struct {
 // NewTier returns an empty fake tier that asks for level on every request.
 func NewTier(level offload.Level) *Tier {
 	return &Tier{blocks: make(map[offload.Key][]byte), answers: make(map[offload.Key]offload.Result), level: level,
-		peer: make(map[uint64]bool)}
+		peer: make(map[uint64]bool), looked: make(map[offload.Key]bool)}
 }
 
 // SetPolled makes Spec mark the tier as polled (S3.1).
@@ -252,9 +252,6 @@ func (t *Tier) Lookup(k offload.Key, _ *offload.Request) offload.Result {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	t.calls.Lookups++
-	if t.looked == nil {
-		t.looked = make(map[offload.Key]bool)
-	}
 	t.looked[k] = true
 	if r, ok := t.answers[k]; ok {
 		return r

@@ -172,19 +172,17 @@ func (p *pair) withConsumer(name string, extra ...string) (*pair, error) {
 // windowRates times the whole request (crc32c, client's wall time) rounds
 // times on p and on q alternately, and returns the medians in GB/s.
 func windowRates(p, q *pair, rounds int) (pr, qr float64, err error) {
-	total := float64(p.blocks * daemon.BlockBytes)
 	var ps, qs []float64
 	for range rounds {
-		for _, x := range []struct {
-			p  *pair
-			rs *[]float64
-		}{{p, &ps}, {q, &qs}} {
-			_, wall, err := x.p.fetchDigest("")
-			if err != nil {
-				return 0, 0, err
-			}
-			*x.rs = append(*x.rs, total/wall.Seconds()/1e9)
+		a, err := p.wallRate(1, "")
+		if err != nil {
+			return 0, 0, err
 		}
+		b, err := q.wallRate(1, "")
+		if err != nil {
+			return 0, 0, err
+		}
+		ps, qs = append(ps, a), append(qs, b)
 	}
 	return median(ps), median(qs), nil
 }
