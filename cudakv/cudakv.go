@@ -85,7 +85,12 @@ type Spec struct {
 	// right after each segment's copy, the CUDA backend in the store
 	// kernel from the values it copies (kernels/copy.cu, kv_store_sum).
 	Checksums bool
-	Logger    *slog.Logger
+	// CRC32C, when set, is what the host backend's checksums use to add a
+	// segment's bytes to a CRC32C (crc32.Update with the Castagnoli table
+	// when nil): a caller with a faster one passes it (p2pd passes
+	// offload/crc32c's, several times hash/crc32's speed with AVX-512).
+	CRC32C func(crc uint32, p []byte) uint32
+	Logger *slog.Logger
 }
 
 // Pair names a GPU cache block and a CPU slot.

@@ -302,3 +302,54 @@ func TestAuto(t *testing.T) {
 	}
 	t.Logf("auto picked %s (CUDA: %v)", m.Backend(), cudaErr)
 }
+
+// The host backend's checksums go through Spec.CRC32C when it is set (p2pd
+// passes a faster CRC32C than hash/crc32's), for stores and summed loads
+// alike, and give the same CRC32Cs.
+func TestHostCRC32CHook(t *testing.T) {
+	layout := Layout{Layers: 3, SegmentBytes: 4 << 10, Blocks: 4}
+	bb := layout.BlockBytes()
+	stride := (bb + 4095) / 4096 * 4096
+	calls := 0 // one worker: no concurrent updates
+	spec := Spec{Layout: layout, Arena: mmapped(t, 4*stride), SlotStride: stride, Backend: "host", Workers: 1, Checksums: true,
+		CRC32C: func(crc uint32, p []byte) uint32 {
+			calls++
+			return crc32.Update(crc, crc32.MakeTable(crc32.Castagnoli), p)
+		}}
+	m, err := Open(spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	block := make([]byte, bb)
+	for i := range block {
+		block[i] = byte(i * 7)
+	}
+	want := crc32.Checksum(block, crc32.MakeTable(crc32.Castagnoli))
+	if err := m.WriteBlock(1, block); err != nil {
+		t.Fatal(err)
+	}
+	pairs := []Pair{{GPU: 1, CPU: 2}}
+	st, err := m.Store(pairs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := st.Wait(); err != nil {
+		t.Fatal(err)
+	}
+	ld, err := m.LoadSummed([]Pair{{GPU: 3, CPU: 2}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ld.Wait(); err != nil {
+		t.Fatal(err)
+	}
+	for op, sums := range map[string][]uint32{"store": st.Sums(), "load": ld.Sums()} {
+		if len(sums) != 1 || sums[0] != want {
+			t.Errorf("%s sums %#x, want [%#x]", op, sums, want)
+		}
+	}
+	if segs := layout.Segments(); calls != 2*segs {
+		t.Errorf("Spec.CRC32C called %d times, want %d (each segment of the store and of the load)", calls, 2*segs)
+	}
+}

@@ -12,10 +12,11 @@ import (
 // hostBackend keeps the "GPU" cache in an anonymous mapping and copies
 // with Workers goroutines per batch.
 type hostBackend struct {
-	spec  *Spec
-	cache []byte
-	segs  []int // offset of each (layer, K/V) region in cache
-	wg    sync.WaitGroup
+	spec   *Spec
+	cache  []byte
+	segs   []int // offset of each (layer, K/V) region in cache
+	update func(crc uint32, p []byte) uint32
+	wg     sync.WaitGroup
 }
 
 // openHost maps the host "GPU" cache, populated at once so that no copy
@@ -27,7 +28,10 @@ func openHost(spec *Spec) (*hostBackend, error) {
 	if err != nil {
 		return nil, fmt.Errorf("cudakv: host cache of %d bytes: %w", l.Segments()*region, err)
 	}
-	h := &hostBackend{spec: spec, cache: cache}
+	h := &hostBackend{spec: spec, cache: cache, update: spec.CRC32C}
+	if h.update == nil {
+		h.update = func(crc uint32, p []byte) uint32 { return crc32.Update(crc, castagnoli, p) }
+	}
 	for s := range l.Segments() {
 		h.segs = append(h.segs, s*region)
 	}
@@ -80,7 +84,7 @@ func (h *hostBackend) copyPairs(pairs []Pair, toCPU bool, sums []uint32) {
 					}
 					copy(dst, src)
 					if sums != nil {
-						crc = crc32.Update(crc, castagnoli, dst)
+						crc = h.update(crc, dst)
 					}
 				}
 				if sums != nil {

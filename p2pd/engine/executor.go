@@ -7,6 +7,7 @@ import (
 
 	"github.com/kvtier/kvtier/cudakv"
 	"github.com/kvtier/kvtier/offload"
+	"github.com/kvtier/kvtier/offload/crc32c"
 )
 
 // Executor is the part of an engine that a real one replaces: the GPU
@@ -66,6 +67,7 @@ func NewReference(m *offload.Manager, gpuBlocks int, backend string, log *slog.L
 		SlotStride: m.Arena().Stride(),
 		Backend:    backend,
 		Checksums:  true, // each stored block's CRC32C, kept with its slot (S7.2)
+		CRC32C:     crc32c.Update,
 		Logger:     log,
 	})
 	if err != nil {
