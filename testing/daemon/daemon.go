@@ -157,6 +157,48 @@ func (p *Proc) CtxSwitches() (int64, error) {
 	return n, nil
 }
 
+// CPUSeconds is the CPU time every thread of the process has used, user
+// and system.
+func (p *Proc) CPUSeconds() (float64, error) { return CPUSeconds(p.Cmd.Process.Pid) }
+
+// CPUSeconds is process pid's CPU time, user and system, from
+// /proc/PID/stat: in clock ticks of 10 ms (the kernel reports them in
+// USER_HZ, 100 on Linux whatever its own tick).
+func CPUSeconds(pid int) (float64, error) {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0, err
+	}
+	s, err := statCPU(string(b))
+	if err != nil {
+		return 0, fmt.Errorf("/proc/%d/stat: %w", pid, err)
+	}
+	return s, nil
+}
+
+// statCPU is utime + stime of a /proc/PID/stat line, in seconds. The
+// fields after the command name, which is in parentheses and may hold
+// spaces and parentheses: state is the first of them, utime and stime
+// the 12th and 13th.
+func statCPU(line string) (float64, error) {
+	var f []string
+	if i := strings.LastIndex(line, ") "); i >= 0 {
+		f = strings.Fields(line[i+2:])
+	}
+	if len(f) < 13 {
+		return 0, fmt.Errorf("unexpected %q", line)
+	}
+	var ticks int64
+	for _, s := range f[11:13] {
+		v, err := strconv.ParseInt(s, 10, 64)
+		if err != nil {
+			return 0, err
+		}
+		ticks += v
+	}
+	return float64(ticks) / 100, nil
+}
+
 // RSS is the process's resident memory.
 func (p *Proc) RSS() int64 { return RSS(p.Cmd.Process.Pid) }
 
