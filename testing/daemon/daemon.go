@@ -157,10 +157,6 @@ func (p *Proc) CtxSwitches() (int64, error) {
 	return n, nil
 }
 
-// CPUSeconds is the CPU time every thread of the process has used, user
-// and system.
-func (p *Proc) CPUSeconds() (float64, error) { return CPUSeconds(p.Cmd.Process.Pid) }
-
 // CPUSeconds is process pid's CPU time, user and system, from
 // /proc/PID/stat: in clock ticks of 10 ms (the kernel reports them in
 // USER_HZ, 100 on Linux whatever its own tick).

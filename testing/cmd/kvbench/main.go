@@ -324,7 +324,10 @@ func (p *pair) rates(rounds int, plain *plainBase) (b1, error) {
 		if err != nil {
 			return b1{}, err
 		}
-		c1, _ := cpuSeconds(p.prod.Cmd.Process.Pid, p.cons.Cmd.Process.Pid)
+		c1, err := cpuSeconds(p.prod.Cmd.Process.Pid, p.cons.Cmd.Process.Pid)
+		if err != nil {
+			return b1{}, err
+		}
 		s1, _ := p2pReadSeconds(p.cons)
 		ps = append(ps, total/(s1-s0)/1e9)
 		ws = append(ws, total/(r.ElapsedMS/1000)/1e9)
@@ -337,7 +340,10 @@ func (p *pair) rates(rounds int, plain *plainBase) (b1, error) {
 		if err != nil {
 			return b1{}, err
 		}
-		c1, _ = cpuSeconds(os.Getpid(), plain.cmd.Process.Pid)
+		c1, err = cpuSeconds(os.Getpid(), plain.cmd.Process.Pid)
+		if err != nil {
+			return b1{}, err
+		}
 		cpuBase += c1 - c0
 		bs = append(bs, total/d.Seconds()/1e9)
 	}
