@@ -328,7 +328,10 @@ func (p *pair) rates(rounds int, plain *plainBase) (b1, error) {
 		if err != nil {
 			return b1{}, err
 		}
-		s1, _ := p2pReadSeconds(p.cons)
+		s1, err := p2pReadSeconds(p.cons)
+		if err != nil {
+			return b1{}, err
+		}
 		ps = append(ps, total/(s1-s0)/1e9)
 		ws = append(ws, total/(r.ElapsedMS/1000)/1e9)
 		cpuWhole += c1 - c0
